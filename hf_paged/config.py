@@ -1,0 +1,190 @@
+"""User-facing configuration: EngineConfig (how the engine runs) and SamplingParams (per request).
+
+Both are frozen and validated at construction. An unknown key raises ``TypeError`` naming it and
+listing the allowed keys; a bad value raises ``ValueError`` naming the key, the value and what is
+allowed. Values derived at run time (KV block count, EOS ids) never go back into these objects:
+they live in ``engine.runtime.RuntimeInfo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not allowed: {name} must be {allowed}")
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, value, "an int" + ("" if lo is None else f" >= {lo}"))
+    if lo is not None and value < lo:
+        raise _bad(name, value, f"an int >= {lo}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, "a number")
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):
+        lb, hb = ("(" if lo_open else "["), (")" if hi_open else "]")
+        raise _bad(name, value, f"in {lb}{lo}, {hi}{hb}")
+
+
+def _from_kwargs(cls, kwargs: dict[str, Any]):
+    """Build ``cls`` from a dict, with a TypeError that lists the allowed keys."""
+    allowed = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(
+            f"{cls.__name__} got unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
+        )
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs. Build with keywords or ``EngineConfig.from_dict``.
+
+    Attributes:
+        max_num_seqs: most sequences in one step (decode batch size).
+        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
+        max_model_len: longest sequence (prompt + output); None = the model's
+            ``max_position_embeddings``.
+        kv_block_size: tokens per KV-cache block.
+        num_kv_blocks: fixed number of KV blocks; None = size from memory.
+        kv_cache_bytes: byte budget for the KV cache (all layers, K and V). Used on CPU (default
+            512 MiB) and on GPU when given; None on GPU = size from ``gpu_memory_utilization``.
+        gpu_memory_utilization: fraction of GPU memory the engine may use in total.
+        tensor_parallel_size: number of ranks (processes) the model is split over.
+        enforce_eager: never capture CUDA graphs.
+        dtype: weights and activations; "auto" = the checkpoint's dtype (fp32 on CPU for fp16).
+        device: "cpu", "cuda" or "cuda:N"; None = cuda if available else cpu.
+        enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
+        seed: seed of the engine's generator for requests without their own seed.
+        attention_backend: None = chosen by capability; else a registered name ("torch", ...).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    device: str | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        _check_int("kv_block_size", self.kv_block_size, 1)
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1, allow_none=True)
+        _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("seed", self.seed)
+        if not isinstance(self.enforce_eager, bool):
+            raise _bad("enforce_eager", self.enforce_eager, "a bool")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _bad("enable_prefix_caching", self.enable_prefix_caching, "a bool")
+        if self.dtype not in _DTYPES:
+            raise _bad("dtype", self.dtype, f"one of {list(_DTYPES)}")
+        if self.device is not None:
+            dev = self.device
+            ok = isinstance(dev, str) and (
+                dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
+            )
+            if not ok:
+                raise _bad("device", dev, "None, 'cpu', 'cuda' or 'cuda:N'")
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise _bad("attention_backend", self.attention_backend, "None or a backend name")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | EngineConfig | None = None, **overrides) -> EngineConfig:
+        """An EngineConfig from a dict (or a copy of one with ``overrides``)."""
+        if isinstance(d, EngineConfig):
+            return dataclasses.replace(d, **overrides) if overrides else d
+        return _from_kwargs(cls, {**(d or {}), **overrides})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (vLLM's names and meanings).
+
+    Attributes:
+        n: completions per prompt (they share the prompt's KV blocks).
+        temperature: 0 = greedy.
+        top_k: keep the k most likely tokens; -1 (or 0) = all.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        min_p: drop tokens below min_p * p(max); 0 = off.
+        repetition_penalty: HF/CTRL penalty on every token already in prompt or output; 1 = off.
+        presence_penalty: subtracted once from logits of tokens in the output; 0 = off.
+        frequency_penalty: subtracted per occurrence in the output; 0 = off.
+        max_tokens: most new tokens.
+        min_tokens: stop tokens (EOS and ``stop_token_ids``) are masked until this many.
+        stop_token_ids: extra ids that end the request (beside the model's EOS ids).
+        ignore_eos: do not stop at EOS ids (``stop_token_ids`` still stop).
+        seed: per-request seed; the same seed gives the same tokens whatever the batch.
+        logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
+        skip_special_tokens: drop special tokens when detokenizing ``.text``.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_float("temperature", self.temperature, 0.0, float("inf"), hi_open=True)
+        _check_int("top_k", self.top_k, -1)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), True, True)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check_int("seed", self.seed, allow_none=True)
+        _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        ids = self.stop_token_ids
+        if isinstance(ids, int) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))  # normalise list -> tuple
+        if self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        return _from_kwargs(cls, d)

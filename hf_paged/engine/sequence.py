@@ -1,0 +1,91 @@
+"""One generation stream: its tokens, how many have KV in the cache, and its blocks. No torch."""
+
+from __future__ import annotations
+
+import enum
+from itertools import count
+
+from hf_paged.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled, or preempted (recompute from scratch)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt plus the tokens generated so far.
+
+    ``num_computed_tokens`` tokens (a prefix of ``token_ids``) have their KV in ``block_table``'s
+    blocks; the rest are computed by later steps (a prefill chunk, or the last sampled token in a
+    decode step). ``num_cached_tokens`` of those came from the prefix cache, not a forward pass.
+    """
+
+    _ids = count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | int | None = None,
+        arrival: int | None = None,
+    ):
+        self.seq_id: int = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else self.seq_id
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens: int = len(token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the leading full blocks, once computed
+        self.num_preemptions: int = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.arrival: int = arrival if arrival is not None else self.seq_id  # FCFS order key
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, len={len(self)}, prompt={self.num_prompt_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: drop its KV; prompt and output so far are recomputed later."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []
+        self.block_hashes = []
+        self.num_preemptions += 1
