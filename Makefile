@@ -1,0 +1,26 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install into it.
+# torch is pinned first: 2.13.0 is a CPU build on local disk; anything else downloads gigabytes.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test lint bench-ipc
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check hf_paged tests examples evaluation
+
+bench-ipc: install
+	$(PY) evaluation/bench_ipc.py

@@ -1,0 +1,88 @@
+"""Reference attention backend: write K/V into the paged cache, gather each sequence's pages and
+run SDPA with an explicit causal (and sliding-window) mask. Correct for every case (prefill,
+prefill over a cached prefix, chunked prefill, decode, mixed); serves the CPU and is the oracle
+the GPU kernels are tested against. Loops over sequences on the host, so it is not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` tokens of one sequence: [context_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    pages = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
+    return pages.reshape(-1, *cache.shape[2:])[:context_len]
+
+
+def causal_mask(
+    q_len: int, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[q_len, context_len] bool, True = attend. Query j sits at position context_len-q_len+j."""
+    q_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch"
+    supports_cuda_graph = False
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
+        ctx = meta.context_lens_cpu or meta.context_lens.tolist()
+        out = torch.empty_like(q)
+        group = spec.num_heads // spec.num_kv_heads
+        for i in range(meta.num_seqs):
+            s, e = cu[i], cu[i + 1]
+            if e == s:
+                continue
+            if ctx[i] == e - s:  # nothing cached before this chunk: use k/v as computed
+                keys, vals = k[s:e], v[s:e]
+            else:
+                keys = gather_kv(k_cache, meta.block_tables[i], ctx[i]).to(q.dtype)
+                vals = gather_kv(v_cache, meta.block_tables[i], ctx[i]).to(q.dtype)
+            if group > 1:  # GQA: each kv head serves `group` consecutive q heads
+                keys = keys.repeat_interleave(group, dim=1)
+                vals = vals.repeat_interleave(group, dim=1)
+            mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device)
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1),  # [H, q_len, D]
+                keys.transpose(0, 1),  # [H, ctx, D]
+                vals.transpose(0, 1),
+                attn_mask=mask,
+                scale=spec.scale,
+            )
+            out[s:e] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,125 @@
+"""Triton attention backend: paged KV store, split-K paged decode, paged prefill.
+
+Pure prefill (no sequence has cached tokens) on CUDA in fp16/bf16 goes to
+``torch.ops.aten._flash_attention_forward`` (FlashAttention-2 varlen inside torch; GQA native), which
+reads the new K/V directly; everything else reads K/V from the paged cache with our kernels.
+The decode path (store + paged decode) does no host sync and sizes everything from tensor
+shapes, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from hf_paged.kernels.kv_store import store_kvcache
+from hf_paged.kernels.paged_decode import paged_decode
+from hf_paged.kernels.paged_prefill import paged_prefill
+
+logger = logging.getLogger(__name__)
+
+
+def _is_pure_prefill(meta: AttentionMetadata) -> bool:
+    """True when every sequence's queries are all of its keys (nothing cached before them).
+
+    Decided from the host copies only: without them we take the paged kernel, which is always
+    correct, rather than sync the device.
+    """
+    if meta.cu_seqlens_q_cpu is None or meta.context_lens_cpu is None:
+        return False
+    cu = meta.cu_seqlens_q_cpu
+    return all(ctx == cu[i + 1] - cu[i] for i, ctx in enumerate(meta.context_lens_cpu))
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with Triton kernels (see module docstring). Safe in decode CUDA graphs."""
+
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, use_flash_prefill: bool = True) -> None:
+        # None = not tried yet; False after the aten kernel failed once (then never again).
+        self._flash_ok: bool | None = None if use_flash_prefill else False
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                spec.scale,
+                spec.sliding_window,
+            )
+        if self._flash_usable(q) and _is_pure_prefill(meta):
+            out = self._flash_prefill(q, k, v, meta, spec)
+            if out is not None:
+                return out
+        return paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.max_seqlen_q,
+            spec.scale,
+            spec.sliding_window,
+        )
+
+    def _flash_usable(self, q: torch.Tensor) -> bool:
+        return (
+            self._flash_ok is not False
+            and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256
+            and hasattr(torch.ops.aten, "_flash_attention_forward")
+        )
+
+    def _flash_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionLayerSpec,
+    ) -> torch.Tensor | None:
+        """Varlen causal FlashAttention over the new tokens; None if the op refuses the call."""
+        window = spec.sliding_window
+        try:
+            out = torch.ops.aten._flash_attention_forward(
+                q,
+                k,
+                v,
+                meta.cu_seqlens_q,
+                meta.cu_seqlens_q,  # keys = the new tokens themselves
+                meta.max_seqlen_q,
+                meta.max_seqlen_q,
+                0.0,  # dropout_p
+                True,  # is_causal
+                False,  # return_debug_mask
+                scale=spec.scale,
+                # flash-attn sees key j iff i - left <= j <= i + right; ours is i - j < window
+                window_size_left=window - 1 if window is not None else -1,
+                window_size_right=0 if window is not None else -1,
+            )[0]
+        except (RuntimeError, TypeError) as exc:
+            logger.warning("aten flash attention unusable (%s); using the Triton prefill", exc)
+            self._flash_ok = False
+            return None
+        self._flash_ok = True
+        return out

@@ -1,0 +1,80 @@
+"""Decode CUDA graphs: one graph per batch size (1, 2, 4, 8, then every multiple of 16 up to
+max_num_seqs, plus max_num_seqs itself), all writing into shared static buffers. A decode step of
+n sequences replays the smallest graph of size >= n; rows past n are padding (slot -1)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.attention import AttentionMetadata
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class DecodeGraphRunner:
+    def __init__(self, runner):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(runner.config.max_num_seqs)
+        max_bs = self.sizes[-1]
+        dev = runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        hidden = runner.spec.hf_config.hidden_size
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.outputs = torch.zeros(max_bs, hidden, dtype=runner.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_decode=True, num_seqs=bs, slot_mapping=self.slot_mapping[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1], context_lens=self.context_lens[:bs],
+            block_tables=self.block_tables[:bs], max_seqlen_q=1,
+            max_context_len=self.runner.max_model_len,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        model = self.runner.model
+        for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
+            meta = self._meta(bs)
+            args = (self.input_ids[:bs], self.positions[:bs], meta)
+            self.outputs[:bs] = model(*args)  # warm up (kernel autotuning, allocations)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
+                self.outputs[:bs] = model(*args)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        return meta.num_seqs <= self.sizes[-1] and meta.block_tables.shape[1] <= self.max_blocks
+
+    def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        n = meta.num_seqs
+        bs = next(b for b in self.sizes if b >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:bs] = -1
+        self.context_lens[:n] = meta.context_lens
+        self.context_lens[n:bs] = 1
+        self.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.outputs[:n]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.pool = None

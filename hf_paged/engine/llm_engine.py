@@ -1,0 +1,317 @@
+"""LLMEngine: requests in, steps of (schedule -> run -> update) out.
+
+One engine owns one model (a checkpoint directory or an in-memory HF model whose weights it
+shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one forward pass over
+whatever the scheduler picked (prefill chunks and decodes mixed) and reports finished requests.
+
+External sampling (used by the HF ``generate`` integration): such a request is never sampled or
+stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
+``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.outputs import (
+    CompletionOutput,
+    ModelInput,
+    RequestOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
+from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.sequence import Sequence
+from hf_paged.layers.sampler import SamplingMetadata
+
+
+@dataclass
+class StepResult:
+    finished: list[RequestOutput] = field(default_factory=list)
+    # external-sampling requests: request_id -> next-token raw logits [V] float32 (cpu)
+    logits: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    request_id: int | str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    external: bool
+    logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
+
+
+class LLMEngine:
+    """Paged-KV engine for one model.
+
+    Args:
+        model: a checkpoint directory (config.json + safetensors, tokenizer optional) or an
+            already loaded HF causal-LM (its weights are shared, not copied, where possible).
+        config: an EngineConfig, a dict of its keys, or None for defaults.
+        tokenizer: overrides the tokenizer found beside the checkpoint.
+
+    Raises:
+        TypeError: an unknown config key.
+        ValueError: a bad config value or an unsupported architecture.
+    """
+
+    def __init__(self, model, config: EngineConfig | dict | None = None, tokenizer=None):
+        self.config = EngineConfig.from_dict(config)
+        self.runtime: RuntimeInfo = resolve_runtime(model, self.config)
+        self.hf_config = self.runtime.hf_config
+        self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
+        self._ids = count()
+        self._requests: dict[int | str, _Request] = {}
+        self._seq_to_req: dict[int, _Request] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._paused: dict[int, Sequence] = {}  # external seqs waiting for provide_token
+        self._closed = False
+        from hf_paged.engine.executor import create_executor
+
+        self.executor = create_executor(self.runtime, model)
+        self.runtime.num_kv_blocks = self.executor.num_kv_blocks
+        self.block_manager = BlockManager(
+            self.runtime.num_kv_blocks, self.config.kv_block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.runtime.max_model_len,
+        )
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids) -> list[int]:
+        """The prompt as a list of ints; ValueError naming what is wrong."""
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.tolist()
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
+        vocab = self.runtime.vocab_size
+        for pos, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"prompt_token_ids[{pos}]={t!r} is not allowed: token ids must be ints in "
+                    f"[0, {vocab}) (the model's vocab_size)"
+                )
+        limit = self.runtime.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"prompt length {len(ids)} is not allowed: it must be < max_model_len={limit} "
+                "(room for at least one new token)"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: int | str | None = None,
+        *,
+        prompt: str | None = None,
+        external_sampling: bool = False,
+    ) -> int | str:
+        """Queue a request; returns its id. Raises ValueError/TypeError and queues nothing
+        when the input is bad."""
+        self._check_open()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
+        ids = self.validate_prompt(prompt_token_ids)
+        if external_sampling and params.n != 1:
+            raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+        rid = next(self._ids) if request_id is None else request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id={rid!r} is not allowed: it is already in use")
+        seqs = [Sequence(ids, params, request_id=rid) for _ in range(params.n)]
+        req = _Request(rid, prompt, ids, params, seqs, external_sampling)
+        self._requests[rid] = req
+        for i, seq in enumerate(seqs):
+            self._seq_to_req[seq.seq_id] = req
+            if params.seed is not None:
+                g = torch.Generator(device=self.runtime.device)
+                g.manual_seed(params.seed + i)
+                self._generators[seq.seq_id] = g
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id) -> None:
+        """Stop a request now; it is reported finished with reason "abort" by the next step."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._paused.pop(seq.seq_id, None)
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
+        """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
+        req = self._requests[request_id]
+        seq = req.seqs[0]
+        if seq.seq_id not in self._paused:
+            raise ValueError(f"request_id={request_id!r} is not waiting for a token")
+        if not (0 <= token_id < self.runtime.vocab_size):
+            raise ValueError(
+                f"token_id={token_id} is not allowed: must be in [0, {self.runtime.vocab_size})"
+            )
+        del self._paused[seq.seq_id]
+        seq.append_token(int(token_id))
+        if finish:
+            self.scheduler.finish(seq, "stop")
+        elif len(seq) >= self.runtime.max_model_len:
+            self.scheduler.finish(seq, "length")
+        else:
+            self.scheduler.running.append(seq)
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        self._check_open()
+        result = StepResult()
+        out = self.scheduler.schedule()
+        while out.is_empty and self._paused and self.scheduler.waiting:
+            self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
+            out = self.scheduler.schedule()
+        if not out.is_empty:
+            self._run(out, result)
+        self._collect_finished(result)
+        return result
+
+    def _preempt_paused(self) -> None:
+        seq = max(self._paused.values(), key=lambda s: s.arrival)
+        del self._paused[seq.seq_id]
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.scheduler.add(seq)
+
+    def _run(self, out: SchedulerOutput, result: StepResult) -> None:
+        chunks, sampled_seqs = [], []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed_tokens
+            sample = start + n == len(seq)
+            chunks.append(
+                ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start,
+                               list(seq.block_table), sample)
+            )  # fmt: skip
+            if sample:
+                sampled_seqs.append(seq)
+        external = tuple(
+            i for i, s in enumerate(sampled_seqs) if self._seq_to_req[s.seq_id].external
+        )
+        internal = [s for i, s in enumerate(sampled_seqs) if i not in set(external)]
+        sampling = self._sampling_metadata(internal) if internal else None
+        ro = self.executor.run(ModelInput(chunks), sampling, external)
+        ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token
+        tokens = iter(ro.sampled_token_ids)
+        sampled = []
+        for c in chunks:
+            tok = next(tokens) if c.sample else None
+            sampled.append(None if c.seq_id in ext_ids else tok)
+        self.scheduler.update(out, sampled)
+        for row, seq in enumerate(sampled_seqs):
+            req = self._seq_to_req[seq.seq_id]
+            if req.external:
+                self.scheduler.running.remove(seq)
+                self._paused[seq.seq_id] = seq
+                result.logits[req.request_id] = ro.logits[row]
+                continue
+            if ro.logprobs is not None and req.params.logprobs is not None:
+                req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
+            self._check_stop(seq, req.params)
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else self.runtime.eos_token_ids
+        return tuple(eos) + params.stop_token_ids
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        params = [s.sampling_params for s in seqs]
+        # token histories are copied only when some row's penalties or min_tokens read them
+        history = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+            for p in params
+        )
+        return SamplingMetadata(
+            params=params,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if history else [] for s in seqs],
+            output_token_ids=[s.output_token_ids if history else [] for s in seqs],
+            stop_token_ids=[self._stop_ids(p) for p in params],
+            generators=[self._generators.get(s.seq_id) for s in seqs],
+        )
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        last = seq.last_token_id
+        if seq.num_output_tokens >= params.min_tokens and last in self._stop_ids(params):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.runtime.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _collect_finished(self, result: StepResult) -> None:
+        done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
+        for req in done:
+            del self._requests[req.request_id]
+            for seq in req.seqs:
+                self._seq_to_req.pop(seq.seq_id, None)
+                self._generators.pop(seq.seq_id, None)
+            result.finished.append(self._request_output(req))
+
+    def _request_output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            ids = seq.output_token_ids
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+            lps = req.logprobs.get(seq.seq_id) if req.params.logprobs is not None else None
+            outs.append(CompletionOutput(i, ids, text, seq.finish_reason, lps))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs)
+
+    # ---- stats / lifecycle --------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
+            "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+            "num_kv_blocks": self.runtime.num_kv_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed")
+
+    def close(self) -> None:
+        """Free the KV cache, stop worker processes. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass

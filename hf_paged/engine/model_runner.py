@@ -1,0 +1,304 @@
+"""ModelRunner: one per rank. Loads the model, owns the KV cache, turns a ModelInput into tensors,
+runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, samples.
+
+Construction, in order (the seed's contract): process group -> model + weights on the rank's
+device -> ``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph`` ->
+worker IPC. Rank 0 lives in the engine's process; ranks 1..N-1 run ``loop`` in worker processes
+and execute what rank 0 ``call``s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.attention import AttentionMetadata, select_backend
+from hf_paged.config import EngineConfig
+from hf_paged.distributed.communicator import Communicator
+from hf_paged.engine.outputs import ModelInput, RunnerOutput
+from hf_paged.layers.attention import Attention
+from hf_paged.layers.sampler import Sampler, SamplingMetadata
+from hf_paged.models.context import ModelContext
+from hf_paged.models.loader import load_weights
+from hf_paged.models.registry import get_model_class
+
+_CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a rank needs to build its runner; picklable (crosses to worker processes)."""
+
+    config: EngineConfig
+    hf_config: object  # transformers PretrainedConfig
+    model_source: object  # checkpoint dir (str) or, on rank 0 only, an in-memory HF model
+    device: str  # resolved: "cpu" or "cuda:N" (rank 0's; rank r uses cuda:N+r)
+    dtype: torch.dtype
+    max_model_len: int
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, spec: RunnerSpec, rank: int = 0, comm: Communicator | None = None):
+        self.spec = spec
+        self.config = spec.config
+        self.rank = rank
+        self.comm = comm or Communicator()
+        self.world_size = self.comm.world_size
+        self.block_size = spec.config.kv_block_size
+        self.device = torch.device(spec.device)
+        self.dtype = spec.dtype
+        self.max_model_len = spec.max_model_len
+
+        backend = select_backend(self.device.type, spec.config.attention_backend)
+        self.attn_backend = backend
+        with _default_dtype(self.dtype), self.device:
+            self.model = get_model_class(spec.hf_config)(spec.hf_config, ModelContext(backend, self.comm))
+        load_weights(self.model, spec.model_source)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler(self._make_generator()) if rank == 0 else None
+
+        self.warmup_model()
+        self.num_kv_blocks = self.allocate_kv_cache()
+        self.graph_runner = None
+        if self.device.type == "cuda" and not spec.config.enforce_eager:
+            self.capture_cudagraph()
+
+    # ---- construction steps -------------------------------------------------------------
+
+    def _make_generator(self) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(self.config.seed)
+        return g
+
+    def _set_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        spec = self.attn_layers[0].spec
+        kv = torch.zeros(
+            2, len(self.attn_layers), num_blocks, self.block_size, spec.num_kv_heads,
+            spec.head_dim, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        return kv
+
+    def warmup_model(self) -> None:
+        """A synthetic prefill at the largest step size, to compile kernels and measure peak
+        memory. Only on CUDA: on CPU the KV budget is a byte count, not what is left over."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._set_kv_cache(1)  # a placeholder; warmup writes nothing (slots are -1)
+        max_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.max_model_len, max_tokens)
+        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
+        lens = [seq_len] * num_seqs
+        meta, input_ids, positions = self._synthetic_prefill(lens)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, meta)
+            self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        torch.cuda.synchronize(self.device)
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+
+    def _synthetic_prefill(self, lens: list[int]):
+        dev = self.device
+        total = sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            is_decode=False, num_seqs=len(lens),
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(lens), max_context_len=max(lens),
+            cu_seqlens_q_cpu=cu, context_lens_cpu=list(lens),
+        )  # fmt: skip
+        input_ids = torch.zeros(total, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        return meta, input_ids, positions
+
+    def kv_block_bytes(self) -> int:
+        spec = self.attn_layers[0].spec
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def allocate_kv_cache(self) -> int:
+        """Size and allocate the KV cache; returns the block count (MIN over ranks)."""
+        cfg = self.config
+        block_bytes = self.kv_block_bytes()
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_bytes is not None:
+            num_blocks = cfg.kv_cache_bytes // block_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+            # what we may use, minus what is in use now, minus the activations' peak headroom
+            budget = total * cfg.gpu_memory_utilization - (total - free) - (peak - current)
+            num_blocks = int(budget) // block_bytes
+        else:
+            num_blocks = _CPU_DEFAULT_KV_BYTES // block_bytes
+        t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
+        need = -(-self.max_model_len // self.block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({block_bytes} bytes each) but max_model_len={self.max_model_len} needs {need}: "
+                "raise num_kv_blocks / kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self.kv_cache = self._set_kv_cache(num_blocks)
+        return num_blocks
+
+    def capture_cudagraph(self) -> None:
+        from hf_paged.engine.cuda_graph import DecodeGraphRunner
+
+        self.graph_runner = DecodeGraphRunner(self)
+
+    # ---- per step -----------------------------------------------------------------------
+
+    def prepare_prefill(self, inp: ModelInput):
+        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, and decodes).
+        Returns (input_ids [T], positions [T], metadata, logits_indices [N_sample])."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu, ctx, logits_idx = [0], [], []
+        for c in inp.chunks:
+            n = len(c.token_ids)
+            input_ids.extend(c.token_ids)
+            pos = range(c.start_pos, c.start_pos + n)
+            positions.extend(pos)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            cu.append(cu[-1] + n)
+            ctx.append(c.start_pos + n)
+            if c.sample:
+                logits_idx.append(cu[-1] - 1)
+        meta = self._metadata(inp, cu, ctx, slots, is_decode=False)
+        return (
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            self._tensor(logits_idx, torch.int64),
+        )
+
+    def prepare_decode(self, inp: ModelInput):
+        """One token per sequence (its last sampled one). Same returns as ``prepare_prefill``."""
+        bs = self.block_size
+        input_ids, positions, slots, ctx = [], [], [], []
+        for c in inp.chunks:
+            p = c.start_pos
+            input_ids.append(c.token_ids[0])
+            positions.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+        n = len(inp.chunks)
+        cu = list(range(n + 1))
+        meta = self._metadata(inp, cu, ctx, slots, is_decode=True)
+        logits_idx = torch.arange(n, dtype=torch.int64, device=self.device)
+        return (
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            logits_idx,
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _metadata(self, inp, cu, ctx, slots, is_decode: bool) -> AttentionMetadata:
+        max_blocks = max(len(c.block_table) for c in inp.chunks)
+        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in inp.chunks]
+        return AttentionMetadata(
+            is_decode=is_decode,
+            num_seqs=len(inp.chunks),
+            slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            context_lens=self._tensor(ctx, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+            max_context_len=max(ctx),
+            cu_seqlens_q_cpu=cu,
+            context_lens_cpu=ctx,
+        )
+
+    @torch.inference_mode()
+    def run_model(self, input_ids, positions, meta, logits_indices) -> torch.Tensor | None:
+        """Forward pass -> logits [N_sample, V] on rank 0 (None elsewhere). Decode batches
+        replay the smallest captured graph that fits."""
+        if meta.is_decode and self.graph_runner is not None and self.graph_runner.fits(meta):
+            hidden = self.graph_runner.replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def run(
+        self,
+        inp: ModelInput,
+        sampling: SamplingMetadata | None = None,
+        external_rows: tuple[int, ...] = (),
+    ) -> RunnerOutput | None:
+        """One engine step. Rank 0 samples the rows not in ``external_rows`` (indices among
+        the chunks with ``sample=True``) and returns the external rows' raw logits."""
+        prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
+        input_ids, positions, meta, logits_idx = prepare(inp)
+        logits = self.run_model(input_ids, positions, meta, logits_idx)
+        if self.rank != 0 or logits is None:
+            return None
+        num_rows = logits.shape[0]
+        external = set(external_rows)
+        internal = [i for i in range(num_rows) if i not in external]
+        out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
+        if internal:
+            rows = logits if not external else logits[internal]
+            result = self.sampler(rows, sampling)
+            for i, tok in zip(internal, result.token_ids.tolist()):
+                out.sampled_token_ids[i] = tok
+            if result.logprobs is not None:
+                out.logprobs = [None] * num_rows
+                for i, lp in zip(internal, result.logprobs):
+                    out.logprobs[i] = lp
+        if external:
+            ext_logits = logits[list(external_rows)].float().cpu()
+            out.logits = [None] * num_rows
+            for j, i in enumerate(external_rows):
+                out.logits[i] = ext_logits[j]
+        return out
+
+    # ---- lifecycle / IPC ----------------------------------------------------------------
+
+    def call(self, method: str, *args, **rank0_kwargs):
+        """Run ``method`` on every rank. Workers get ``args`` only; ``rank0_kwargs`` (sampling
+        state) stay on rank 0."""
+        return getattr(self, method)(*args, **rank0_kwargs)
+
+    def exit(self) -> None:
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

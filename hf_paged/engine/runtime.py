@@ -1,0 +1,121 @@
+"""Values derived at start-up (device, dtype, lengths, EOS ids, KV block count). They live here,
+never written back into the frozen EngineConfig."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.config import EngineConfig
+from hf_paged.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RuntimeInfo:
+    hf_config: object
+    tokenizer: object | None
+    device: str  # "cpu" or "cuda:N" (rank 0)
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_path: str | None  # checkpoint directory, or None for an in-memory model
+    config: EngineConfig
+    num_kv_blocks: int = 0  # set once the runner has sized the cache
+
+
+def _as_ids(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, int):
+        return (x,)
+    return tuple(int(i) for i in x)
+
+
+def _resolve_device(requested: str | None, model_device: torch.device | None) -> str:
+    if requested is None:
+        if model_device is not None:
+            requested = str(model_device)
+        else:
+            requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={requested!r} is not allowed: CUDA is not available here")
+        if requested == "cuda":
+            requested = f"cuda:{torch.cuda.current_device()}"
+    return requested
+
+
+def _resolve_dtype(name: str, checkpoint_dtype, device: str) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
+    dtype = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else torch.float32
+    if device == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
+    return dtype
+
+
+def _load_tokenizer(path: str):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
+    """Read the model's config, pick device/dtype/lengths. ``model`` is a checkpoint directory
+    or an in-memory HF causal-LM."""
+    from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        hf_config = model.config
+        gen_config = getattr(model, "generation_config", None)
+        device = _resolve_device(config.device, model.device)
+        dtype = _resolve_dtype(config.dtype, model.dtype, device)
+        path, tokenizer = None, None
+    elif isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"model={path!r} is not allowed: must be a local checkpoint directory "
+                "(nothing is downloaded) or a loaded transformers model"
+            )
+        hf_config = AutoConfig.from_pretrained(path)
+        try:
+            gen_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            gen_config = None
+        device = _resolve_device(config.device, None)
+        ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = _resolve_dtype(config.dtype, ckpt_dtype, device)
+        tokenizer = _load_tokenizer(path)
+    else:
+        raise TypeError(
+            f"model={type(model).__name__} is not allowed: pass a checkpoint directory or a "
+            "transformers PreTrainedModel"
+        )
+    get_model_class(hf_config)  # raises for unsupported architectures, listing the supported
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = config.max_model_len or max_pos
+    eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(
+        getattr(hf_config, "eos_token_id", None)
+    )
+    return RuntimeInfo(
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        vocab_size=hf_config.vocab_size,
+        eos_token_ids=eos,
+        model_path=path,
+        config=config,
+    )

@@ -1,0 +1,120 @@
+"""Write new keys/values into the paged KV cache (Triton kernel + torch reference).
+
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` goes to
+flat slot ``slot_mapping[t] = block_id * block_size + offset``; slot -1 means "skip" (padding
+tokens of a captured CUDA graph, prefix-cached tokens). One program per token copies all of its
+kv heads at once; shapes are static so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: only the reference is usable
+    triton = None
+
+
+def store_kvcache_ref(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Torch reference of :func:`store_kvcache`; writes in place."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kvcache_kernel(
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,  # cache strides: block, slot-in-block, head (head_dim is contiguous)
+        stride_cs,
+        stride_ch,
+        num_kv_heads,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + token)  # int64
+        if slot < 0:
+            return
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_kv_heads) & (d < HEAD_DIM)
+        k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+        dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Scatter ``k``/``v`` into the paged caches at ``slot_mapping`` (in place, no host sync).
+
+    ``k``/``v`` may be strided views (e.g. slices of a fused qkv projection) as long as their
+    last dim is contiguous. ``k_cache`` and ``v_cache`` must share shape and strides.
+
+    Raises:
+        ValueError: on mismatched shapes or a non-contiguous head dim.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape or k_cache.shape != v_cache.shape:
+        raise ValueError(f"shape mismatch: k {k.shape} v {v.shape} caches {k_cache.shape}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same strides")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("head_dim must be the contiguous dim of k, v and the caches")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} < {num_tokens} entries")
+    if num_tokens == 0:
+        return
+    block_size = k_cache.shape[1]
+    _store_kvcache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )

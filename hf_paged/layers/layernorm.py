@@ -1,0 +1,46 @@
+"""RMSNorm with an optional fused residual add, numerically identical to HF's LlamaRMSNorm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_paged.layers.linear import check_shape, read_shard
+
+
+class RMSNorm(nn.Module):
+    """``weight * normalize(x)`` over the last dim, statistics in float32.
+
+    Called as ``norm(x)`` it returns the normalized ``x``. Called as ``norm(x, residual)`` it first
+    forms ``h = x + residual`` (in the input dtype, as HF's decoder layers do) and returns
+    ``(norm(h), h)``: the new residual stream is ``h``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        check_shape(loaded, param.shape)
+        param.data.copy_(read_shard(loaded))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        h = x + residual
+        return self._norm(h), h
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,246 @@
+"""Tensor-parallel linear layers (Megatron layout, as in nano-vllm / vLLM).
+
+Column-parallel layers split the output features across ranks (no communication in forward);
+row-parallel layers split the input features and ``all_reduce`` the partial products. A
+column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down) needs exactly
+one all_reduce per pair.
+
+Every parameter carries a ``weight_loader(param, loaded, shard_id=None)``. ``loaded`` is either a
+full checkpoint tensor or a lazy ``safetensors`` slice (``safe_open(...).get_slice(name)``); the
+loader reads only the rows/cols this rank holds (see ``read_shard``). Merged parameters
+(``qkv_proj``, ``gate_up_proj``) also carry ``param.shard_ids``: the shard ids that must all be
+loaded for the parameter to be complete.
+
+Parameters are allocated with ``torch.empty`` in the current default dtype/device (no init work);
+the caller scopes those (see ``hf_paged.models.registry.build_model``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_paged.distributed.communicator import Communicator
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a lazy safetensors slice, without reading it."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def read_shard(loaded: Any, dim: int | None = None, start: int = 0, size: int = 0) -> torch.Tensor:
+    """Read ``loaded[start:start+size]`` along ``dim`` (dim 0 or 1), or all of it (dim None).
+
+    Works for tensors (returns a view) and safetensors slices (reads only that range).
+    """
+    if dim is None:
+        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if dim == 0:
+        return loaded[start : start + size]
+    if dim == 1:
+        return loaded[:, start : start + size]
+    raise ValueError(f"dim={dim} is not supported: must be None, 0 or 1")
+
+
+def check_shape(loaded: Any, expected: tuple[int, ...]) -> None:
+    shape = loaded_shape(loaded)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {list(shape)}, expected {list(expected)}")
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    """Holds ``weight`` [out_per_rank, in_per_rank] and optional ``bias``; subclasses shard."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+    ):
+        super().__init__()
+        self.comm = comm or Communicator()
+        self.tp_rank = self.comm.rank
+        self.tp_size = self.comm.world_size
+        self.input_size = input_size  # per rank
+        self.output_size = output_size  # per rank
+        self.weight = _empty_param(output_size, input_size)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _empty_param(output_size)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """Full weight on every rank."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        check_shape(loaded, param.shape)
+        param.data.copy_(read_shard(loaded))
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split evenly: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+    ):
+        tp_size = comm.world_size if comm is not None else 1
+        self.full_output_size = output_size
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, comm)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        full = (self.full_output_size, *param.shape[1:])
+        check_shape(loaded, full)
+        size = param.shape[0]
+        param.data.copy_(read_shard(loaded, 0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up_proj).
+
+    Shard ``i`` (an int) is checkpoint tensor ``i``; on each rank the local weight is the
+    concatenation of every shard's local rows.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        comm: Communicator | None = None,
+    ):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, comm)
+        for size in self.output_sizes:
+            divide(size, self.tp_size, "output_sizes[i]")
+        self.weight.shard_ids = tuple(range(len(output_sizes)))
+        if self.bias is not None:
+            self.bias.shard_ids = self.weight.shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id not in param.shard_ids:
+            raise ValueError(
+                f"shard_id={shard_id!r} is not allowed: must be one of {param.shard_ids}"
+            )
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data[offset : offset + size].copy_(read_shard(loaded, 0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks.
+
+    Query heads split evenly. KV heads split evenly when ``total_num_kv_heads >= tp_size``;
+    otherwise each kv head is replicated on ``tp_size / total_num_kv_heads`` ranks and rank r holds
+    kv head ``r * total_num_kv_heads // tp_size`` (so it serves exactly the q heads it holds).
+    Local layout: [q heads | k heads | v heads], each ``head_size`` wide.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool,
+        comm: Communicator | None = None,
+    ):
+        tp_size = comm.world_size if comm is not None else 1
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        else:  # replicate: tp_size must be a multiple of the kv head count
+            if tp_size % total_num_kv_heads != 0:
+                raise ValueError(
+                    f"tp_size={tp_size} is not a multiple of num_key_value_heads="
+                    f"{total_num_kv_heads}"
+                )
+            self.num_kv_heads = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, output_size, bias, comm)
+        self.weight.shard_ids = ("q", "k", "v")
+        if self.bias is not None:
+            self.bias.shard_ids = self.weight.shard_ids
+
+    @property
+    def q_size(self) -> int:  # per rank
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:  # per rank
+        return self.num_kv_heads * self.head_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        d = self.head_size
+        if shard_id == "q":
+            offset, size, total = 0, self.q_size, self.total_num_heads * d
+            start = self.tp_rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, total = self.kv_size, self.total_num_kv_heads * d
+            # same formula whether kv heads are split or replicated
+            start = (self.tp_rank * self.total_num_kv_heads // self.tp_size) * d
+        else:
+            raise ValueError(f"shard_id={shard_id!r} is not allowed: must be 'q', 'k' or 'v'")
+        check_shape(loaded, (total, *param.shape[1:]))
+        param.data[offset : offset + size].copy_(read_shard(loaded, 0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split evenly; partial outputs summed with an all_reduce.
+
+    The bias is held in full on every rank and added once, after the reduce.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+    ):
+        tp_size = comm.world_size if comm is not None else 1
+        self.full_input_size = input_size
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, comm)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            check_shape(loaded, param.shape)
+            param.data.copy_(read_shard(loaded))
+            return
+        check_shape(loaded, (param.shape[0], self.full_input_size))
+        size = param.shape[1]
+        param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
+        y = F.linear(x, self.weight)
+        y = self.comm.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

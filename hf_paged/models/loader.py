@@ -1,0 +1,160 @@
+"""Load HF weights into a native model, each rank reading only its own shard.
+
+Checkpoint names map to our parameters one-to-one except the fused projections, which the
+model's ``packed_modules_mapping`` routes (``...self_attn.q_proj.weight`` ->
+``...self_attn.qkv_proj.weight`` shard "q"). Every parameter's ``weight_loader`` receives either
+a lazy safetensors slice (it reads only the rows/cols its rank holds) or, for an in-memory HF
+model, that model's tensor.
+
+In-memory loads share storage wherever the layouts are identical (same shape, dtype and device
+and not a fused shard: at tp_size 1 that is everything but qkv_proj and gate_up_proj), so the
+engine adds no second copy of those weights next to the HF model; fused ones are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this non-persistent buffer
+
+
+class _Router:
+    """Maps checkpoint names to ``(param_name, shard_id)`` and tracks what was loaded."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(model.named_parameters())  # tied weights appear once
+        self.mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+        self.tied = bool(getattr(model, "tie_word_embeddings", False))
+        self.expected: dict[tuple[str, Any], str] = {}  # (param, shard) -> checkpoint name
+        for name, param in self.params.items():
+            for shard_id in getattr(param, "shard_ids", None) or (None,):
+                self.expected[(name, shard_id)] = self._checkpoint_name(name, shard_id)
+        self.loaded: set[tuple[str, Any]] = set()
+        self.unexpected: list[str] = []
+
+    def _checkpoint_name(self, name: str, shard_id: Any) -> str:
+        for hf_module, (packed, sid) in self.mapping.items():
+            if shard_id is not None and sid == shard_id and f".{packed}." in name:
+                return name.replace(f".{packed}.", f".{hf_module}.")
+        return name
+
+    def route(self, hf_name: str) -> tuple[str, Any] | None:
+        """``(param_name, shard_id)``, or None for names that are skipped or unexpected."""
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if self.tied and hf_name == "lm_head.weight":  # some tied checkpoints still store it
+            return None
+        for hf_module, (packed, shard_id) in self.mapping.items():
+            if f".{hf_module}." in hf_name:
+                name = hf_name.replace(f".{hf_module}.", f".{packed}.")
+                if name in self.params:
+                    return name, shard_id
+        if hf_name in self.params:
+            return hf_name, None
+        self.unexpected.append(hf_name)
+        return None
+
+    def load(self, hf_name: str, loaded: Any) -> None:
+        target = self.route(hf_name)
+        if target is None:
+            return
+        name, shard_id = target
+        param = self.params[name]
+        if _can_share(param, loaded, shard_id):
+            param.data = loaded.detach()
+        else:
+            try:
+                if shard_id is None:
+                    param.weight_loader(param, loaded)
+                else:
+                    param.weight_loader(param, loaded, shard_id)
+            except ValueError as e:
+                raise ValueError(f"loading {hf_name!r} into {name!r}: {e}") from e
+        self.loaded.add(target)
+
+    def check_complete(self) -> None:
+        missing = sorted(hf for key, hf in self.expected.items() if key not in self.loaded)
+        if missing or self.unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing weights: {missing}")
+            if self.unexpected:
+                parts.append(f"unexpected weights: {sorted(self.unexpected)}")
+            raise ValueError("checkpoint does not match the model; " + "; ".join(parts))
+
+
+def _can_share(param: nn.Parameter, loaded: Any, shard_id: Any) -> bool:
+    """An in-memory tensor whose layout is exactly ours: use it instead of copying it."""
+    return (
+        isinstance(loaded, torch.Tensor)
+        and shard_id is None
+        and loaded.shape == param.shape
+        and loaded.dtype == param.dtype
+        and loaded.device == param.device
+        and loaded.is_contiguous()
+    )
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint directory (sharded index or single file).
+
+    Raises:
+        FileNotFoundError: no ``model.safetensors(.index.json)`` there.
+    """
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {str(path)!r}"
+    )
+
+
+def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
+
+
+def _iter_module(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in hf_model.named_parameters():
+        if tensor.device.type == "meta":
+            raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
+        yield name, tensor
+
+
+def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> None:
+    """Fill ``model``'s parameters from a checkpoint directory or an in-memory HF model.
+
+    Args:
+        model: a native model (e.g. ``LlamaForCausalLM``) built on the target dtype and device.
+        source: a directory holding ``model.safetensors`` or ``model.safetensors.index.json``
+            (or one ``.safetensors`` file), or a ``transformers.PreTrainedModel``.
+
+    Raises:
+        ValueError: the checkpoint lacks weights the model needs or has ones it does not know
+            (both listed by checkpoint name), or a tensor has the wrong shape.
+        FileNotFoundError: no safetensors checkpoint at ``source``.
+    """
+    router = _Router(model)
+    items = _iter_module(source) if isinstance(source, nn.Module) else _iter_safetensors(source)
+    with torch.no_grad():
+        for hf_name, loaded in items:
+            router.load(hf_name, loaded)
+    router.check_complete()

@@ -1,0 +1,163 @@
+"""Shared test helpers: tiny HF configs per family, tiny random HF models, paged KV caches and
+attention metadata built by hand (consecutive blocks per sequence).
+
+Import as ``from tests.helpers import tiny_config, save_tiny_model`` (run pytest from the repo
+root with ``python -m pytest``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_paged.attention.base import AttentionMetadata
+from hf_paged.distributed.communicator import Communicator
+from hf_paged.layers.attention import Attention
+from hf_paged.testing import (  # noqa: F401  (re-exported for tests)
+    FAMILIES,
+    build_hf_model,
+    randomize_,
+    save_tiny_model,
+    tiny_config,
+)
+
+# ---- paged KV cache and metadata ---------------------------------------------------------
+
+
+def attach_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype=None) -> None:
+    """Allocate a zeroed [num_blocks, block_size, kv_heads, head_dim] K and V cache per layer
+    and assign them to every ``Attention`` module of ``model``."""
+    param = next(model.parameters())
+    for m in model.modules():
+        if isinstance(m, Attention):
+            shape = (num_blocks, block_size, m.spec.num_kv_heads, m.spec.head_dim)
+            m.k_cache = torch.zeros(shape, dtype=dtype or param.dtype, device=param.device)
+            m.v_cache = torch.zeros_like(m.k_cache)
+
+
+def build_metadata(
+    q_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    max_blocks_per_seq: int,
+    device: str | torch.device = "cpu",
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for a ragged step where sequence i computes its last ``q_lens[i]`` tokens of
+    ``context_lens[i]``; sequence i owns blocks ``[i * max_blocks_per_seq, (i+1) * ...)``.
+
+    Returns:
+        (meta, positions [T] int64).
+    """
+    positions, slots, cu = [], [], [0]
+    tables = []
+    for i, (q, c) in enumerate(zip(q_lens, context_lens, strict=True)):
+        if c > max_blocks_per_seq * block_size:
+            raise ValueError(f"context_len {c} does not fit {max_blocks_per_seq} blocks")
+        table = [i * max_blocks_per_seq + b for b in range(max_blocks_per_seq)]
+        tables.append(table)
+        for p in range(c - q, c):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        is_decode=all(q == 1 for q in q_lens),
+        num_seqs=len(q_lens),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens),
+        max_context_len=max(context_lens),
+        cu_seqlens_q_cpu=cu,
+        context_lens_cpu=list(context_lens),
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+def run_step(
+    model: nn.Module,
+    seqs: list[list[int]],
+    q_lens: list[int],
+    block_size: int,
+    max_blocks_per_seq: int,
+) -> list[torch.Tensor]:
+    """Run one ragged step computing the last ``q_lens[i]`` tokens of each ``seqs[i]`` (earlier
+    tokens must already be in the cache) and return each sequence's logits [q_len, vocab]
+    (None each on tensor-parallel ranks other than 0)."""
+    meta, positions = build_metadata(q_lens, [len(s) for s in seqs], block_size, max_blocks_per_seq)
+    input_ids = torch.tensor(
+        [t for s, q in zip(seqs, q_lens, strict=True) for t in s[len(s) - q :]]
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(input_ids, positions, meta))
+    if logits is None:  # a tensor-parallel rank other than 0
+        return [None] * len(seqs)
+    cu = meta.cu_seqlens_q_cpu
+    return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
+
+
+class FakeComm(Communicator):
+    """Rank ``rank`` of ``world_size`` without a process group: collectives return the local
+    tensor, so a test can check sharding and combine per-rank results itself."""
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(rank, world_size, group=object())
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class ThreadGroup:
+    """Lets ``world_size`` threads run one model each as TP ranks, collectives via a barrier.
+
+    ``ThreadGroup(n).comms()`` gives one ``ThreadComm`` per rank; run each rank's forward in its
+    own thread (torch ops release the GIL). A CPU stand-in for a real process group in tests.
+    """
+
+    def __init__(self, world_size: int):
+        import threading
+
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size, timeout=60)
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+
+    def comms(self) -> list[ThreadComm]:
+        return [ThreadComm(self, r) for r in range(self.world_size)]
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read them
+        return parts
+
+
+class ThreadComm(Communicator):
+    def __init__(self, group: ThreadGroup, rank: int):
+        super().__init__(rank, group.world_size, group=group)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        stacked = torch.stack(self.group.exchange(self.rank, x))
+        reduced = {"sum": stacked.sum, "min": stacked.amin, "max": stacked.amax}[op](0)
+        return x.copy_(reduced)
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        parts = self.group.exchange(self.rank, x)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group.exchange(self.rank, x), dim=-1)
+
+
+def run_ranks(fn, world_size: int) -> list:
+    """Call ``fn(rank)`` in one thread per rank; returns the results in rank order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(world_size) as pool:
+        return list(pool.map(fn, range(world_size)))
