@@ -302,3 +302,7 @@ class ModelRunner:
         self.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.world_size > 1:
+            from hf_paged.distributed.process_group import destroy_process_group
+
+            destroy_process_group(self.comm.group)

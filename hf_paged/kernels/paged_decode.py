@@ -209,12 +209,12 @@ def default_num_partitions(
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
-    # Tiles of ~16 KB per K (and V) load, pipelined 3 deep; memory-bound, so 4 warps suffice.
+    # Memory-bound: 64-key tiles pipelined 3 deep, 2 warps (more programs resident per SM).
+    # H200 sweep (evaluation/bench_kernels.py --sweep, batch 256, ctx ~600, bf16): 4.10 TB/s at
+    # d=128 and 3.82 TB/s at d=64, against 3.89 / 3.64 with 4 warps.
     if dtype == torch.float32:
         return dict(TILE_N=32, num_warps=4, num_stages=2)
-    if head_dim >= 128:
-        return dict(TILE_N=64, num_warps=4, num_stages=3)
-    return dict(TILE_N=128, num_warps=4, num_stages=3)
+    return dict(TILE_N=64, num_warps=2, num_stages=3)
 
 
 def paged_decode(

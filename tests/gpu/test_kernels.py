@@ -139,10 +139,11 @@ def _meta(seqs, block_tables, block_size, is_decode):
     )
 
 
+@pytest.mark.parametrize("use_flash", [False, True])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("cached", [False, True])
-def test_backend_prefill(window, cached):
-    """Pure prefill takes the aten flash path; prefill over a cached prefix the paged kernel."""
+def test_backend_prefill(window, cached, use_flash):
+    """Pure prefill may take the aten flash path; prefill over a cached prefix the paged kernel."""
     from hf_paged.attention.base import AttentionLayerSpec
     from hf_paged.attention.triton_backend import TritonBackend
     from hf_paged.kernels.paged_prefill import paged_prefill_ref
@@ -152,12 +153,31 @@ def test_backend_prefill(window, cached):
     k, v = (torch.randn(q.shape[0], 8, 128, device="cuda").bfloat16() for _ in "kv")
     spec = AttentionLayerSpec(16, 8, 128, 0.088, window)
     meta = _meta(seqs, bt, kc.shape[1], is_decode=False)
-    backend = TritonBackend()
+    backend = TritonBackend(use_flash_prefill=use_flash)
     out = backend.forward(q, k, v, kc, vc, meta, spec)
     ref = paged_prefill_ref(q, kc, vc, bt, cu, ctx, 0.088, window)  # reads what forward stored
     assert _rel_err(out, ref) < TOL[torch.bfloat16]
-    if not cached:
-        assert backend._flash_ok is True, "aten flash attention was not used for pure prefill"
+    flash_expected = use_flash and not cached
+    assert backend._flash_ok is (True if flash_expected else None), "wrong prefill route"
+
+
+def test_backend_warmup_without_cache_uses_flash():
+    """The runner's warm-up: 1-block placeholder cache, 1-column block tables, slots -1."""
+    from hf_paged.attention.base import AttentionLayerSpec
+    from hf_paged.attention.triton_backend import TritonBackend
+
+    seqs = [(n, n) for n in (5, 300, 1024)]
+    q, kc, vc, bt, _, _, _ = _batch(seqs, 16, 8, 128, torch.bfloat16)
+    k, v = (torch.randn(q.shape[0], 8, 128, device="cuda").bfloat16() for _ in "kv")
+    spec = AttentionLayerSpec(16, 8, 128, 0.088, None)
+    full = _meta(seqs, bt, kc.shape[1], is_decode=False)
+    expected = TritonBackend().forward(q, k, v, kc, vc, full, spec)  # paged path, full cache
+    warm = _meta(seqs, bt, kc.shape[1], is_decode=False)
+    warm.block_tables = torch.zeros(len(seqs), 1, dtype=torch.int32, device="cuda")
+    warm.slot_mapping.fill_(-1)
+    placeholder = torch.zeros(1, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = TritonBackend().forward(q, k, v, placeholder, placeholder.clone(), warm, spec)
+    assert _rel_err(out, expected) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("batch", [3, 64])

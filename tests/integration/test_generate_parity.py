@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged.integration import dispatch
+from tests.helpers import build_hf_model
 from tests.integration.parity_utils import (
     SMALL_ENGINE,
     MultiTokenEOSCriteria,
@@ -210,8 +211,10 @@ def test_scores_and_logits_allclose(model, batch):
     assert paged.cache is None
 
 
-def test_user_processors_and_criteria_see_stock_inputs(model, batch):
+@pytest.mark.parametrize("with_scores", [False, True], ids=["plain", "output_scores"])
+def test_user_processors_and_criteria_see_stock_inputs(model, batch, with_scores):
     ids, mask = batch
+    extra = dict(return_dict_in_generate=True, output_scores=True) if with_scores else {}
 
     def fresh():
         return dict(
@@ -219,8 +222,10 @@ def test_user_processors_and_criteria_see_stock_inputs(model, batch):
         )
 
     stock, paged, s_extra, p_extra, _ = stock_and_paged(
-        model, fresh=fresh, input_ids=ids, attention_mask=mask, max_new_tokens=NEW
+        model, fresh=fresh, input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **extra
     )
+    if with_scores:
+        stock, paged = stock.sequences, paged.sequences
     assert torch.equal(paged, stock)
     s_proc, p_proc = s_extra["logits_processor"][0], p_extra["logits_processor"][0]
     assert len(p_proc.calls) == len(s_proc.calls) > 1
@@ -230,7 +235,8 @@ def test_user_processors_and_criteria_see_stock_inputs(model, batch):
     s_crit, p_crit = s_extra["stopping_criteria"][0], p_extra["stopping_criteria"][0]
     assert len(p_crit.calls) == len(s_crit.calls)
     for (pi, pn), (si, sn) in zip(p_crit.calls, s_crit.calls, strict=True):
-        assert torch.equal(pi, si) and pn == sn
+        assert torch.equal(pi, si) and pn == sn  # scores: None, or a tuple of the same length
+    assert (s_crit.calls[-1][1] is not None) == with_scores
 
 
 def test_external_path_with_fewer_sequence_slots_than_rows(model, batch):
@@ -242,7 +248,7 @@ def test_external_path_with_fewer_sequence_slots_than_rows(model, batch):
         attention_mask=mask, max_new_tokens=NEW, paged_config=cfg,
     )  # fmt: skip
     assert torch.equal(paged, stock)
-    assert dispatch.get_engine(model).config.max_num_seqs == 2
+    assert model.__dict__[dispatch._SLOT_ATTR].built_with.max_num_seqs == 2  # it ran there
 
 
 def test_criteria_without_eos_rows_keep_generating(model, batch):
@@ -384,3 +390,23 @@ def test_engine_is_reused_across_calls(model, batch):
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, backend="paged")
     assert dispatch.get_engine(model) is engine
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_families_on_the_real_engine(family):
+    model = build_hf_model(family, seed=0)
+    dispatch.configure(model, **SMALL_ENGINE)
+    ids, mask = left_pad(make_prompts([1, 12, 5], seed=6))
+    try:
+        stock, paged, *_ = stock_and_paged(
+            model, input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+        greedy_s, greedy_p, *_ = stock_and_paged(
+            model, input_ids=ids, attention_mask=mask, max_new_tokens=NEW
+        )
+    finally:
+        dispatch.release(model)
+    assert torch.equal(paged.sequences, stock.sequences) and torch.equal(greedy_p, greedy_s)
+    for p, s in zip(paged.logits, stock.logits, strict=True):
+        torch.testing.assert_close(p, s, atol=1e-4, rtol=1e-4)

@@ -168,7 +168,26 @@ def case_backend():
     return max(err, _max_err(out_d, paged_decode_ref(qd, kc, vc, bt, ctx_d, 0.125)))
 
 
+def case_backend_uncovered_raises():
+    """Prefill whose block tables cannot hold the context, off CUDA: a clear ValueError."""
+    import torch
+
+    from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
+    from hf_paged.attention.triton_backend import TritonBackend
+
+    spec = AttentionLayerSpec(num_heads=2, num_kv_heads=2, head_dim=64, scale=0.125)
+    q, kc, vc, bt, cu, ctx, max_q = _batch([(40, 40)], 2, 2)
+    slots = torch.full((40,), -1, dtype=torch.int64)
+    meta = AttentionMetadata(False, 1, slots, cu, ctx, bt[:, :1], 40, 40, [0, 40], [40])
+    try:
+        TritonBackend().forward(q, q, q, kc, vc, meta, spec)
+    except ValueError:
+        return 0.0
+    return float("inf")
+
+
 CASES = {
+    "backend_uncovered_raises": (case_backend_uncovered_raises, ()),
     "store_h2_d64": (case_store, (2, 64)),
     "store_h3_d48": (case_store, (3, 48)),
     "decode_padding_rows": (case_decode_padding, ()),

@@ -1,0 +1,237 @@
+"""Benchmark workloads (DESIGN.md, "Benchmark workloads"): request sets, model architectures
+with random weights, and the environment record every result file carries.
+
+* W1 / W2: 256 requests, prompt lengths U[100, 1024], output lengths U[100, 1024], prompt token
+  ids U[0, 10000), ``random.Random(0)``: first every prompt (length, then its ids), then every
+  output length (nano-vllm's bench.py order). EOS is ignored, decoding is greedy.
+* Architectures, random bf16 weights, nothing downloaded:
+  ``qwen3-0.6b`` (W1) = Qwen3-0.6B's config; ``llama3-8b`` (W2, L1) = Llama-3-8B's config with
+  plain RoPE (``rope_theta`` 500000, no llama3 scaling, ``max_position_embeddings`` 8192), i.e.
+  the original Llama-3-8B, not 3.1. No sequence here is longer than 2048 tokens, where the 3.1
+  scaling would change nothing anyway. ``tiny`` is a 2-layer model for CPU smoke runs.
+
+EOS/BOS are unset in the configs and generation configs (eos_token_id=None, pad_token_id=0), so
+stock ``generate`` never stops early and every system generates exactly the requested tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_T0 = time.perf_counter()
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A request set: prompt token ids and the number of new tokens each request wants."""
+
+    name: str
+    arch: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    def head(self, n: int) -> Workload:
+        """The first ``n`` requests (baselines run on a prefix of the set)."""
+        return Workload(self.name, self.arch, self.prompts[:n], self.output_lens[:n])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_requests(
+    num_requests: int = 256,
+    prompt_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    vocab_limit: int = 10000,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[int]]:
+    """``(prompts, output_lens)``; lengths inclusive on both ends, ids in ``[0, vocab_limit)``."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(vocab_limit) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(num_requests)
+    ]
+    output_lens = [rng.randint(*output_len) for _ in range(num_requests)]
+    return prompts, output_lens
+
+
+WORKLOAD_ARCH = {"W1": "qwen3-0.6b", "W2": "llama3-8b"}
+
+
+def get_workload(name: str, smoke: bool = False) -> Workload:
+    """W1 or W2; ``smoke`` = 8 short requests on the tiny model (CPU smoke runs)."""
+    if name not in WORKLOAD_ARCH:
+        raise ValueError(f"workload={name!r} is not allowed: must be one of {list(WORKLOAD_ARCH)}")
+    if smoke:
+        prompts, outs = make_requests(8, (4, 32), (4, 16), vocab_limit=500)
+        return Workload(name, "tiny", prompts, outs)
+    prompts, outs = make_requests()
+    return Workload(name, WORKLOAD_ARCH[name], prompts, outs)
+
+
+# ---- models -----------------------------------------------------------------------------------
+
+
+def model_config(arch: str):
+    """The transformers config of an architecture (no weights, nothing downloaded)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0, attention_bias=False)
+    if arch == "qwen3-0.6b":
+        return Qwen3Config(
+            hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+            tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            hidden_act="silu", use_sliding_window=False, **common,
+        )  # fmt: skip
+    if arch == "llama3-8b":
+        return LlamaConfig(
+            hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+            tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+            hidden_act="silu", mlp_bias=False, **common,
+        )  # fmt: skip
+    if arch == "tiny":  # Qwen3-shaped (qk-norm, GQA, tied), 2 layers
+        return Qwen3Config(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+            max_position_embeddings=256, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            hidden_act="silu", use_sliding_window=False, **common,
+        )  # fmt: skip
+    raise ValueError(f"arch={arch!r} is not allowed: must be qwen3-0.6b, llama3-8b or tiny")
+
+
+def build_random_model(
+    arch: str,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+):
+    """An HF causal-LM with random weights, built directly on ``device`` in ``dtype``.
+
+    HF's own init is switched off (``no_init_weights``); matrices get N(0, 0.02), 1-D weights
+    (RMSNorm scales) 1.0, all from one seeded generator on the device: an 8B model takes about
+    a second on a GPU instead of minutes of CPU init.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    cfg = model_config(arch)
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, attn_implementation=attn_implementation
+        )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # tied weights appear once
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        do_sample=False, bos_token_id=None, eos_token_id=None, pad_token_id=0
+    )
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (tied ones counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- environment / reporting -------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    """A progress line with UTC wall clock and seconds since start."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+    print(f"[{now} +{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.check_output(
+            ["git", *args], text=True, stderr=subprocess.DEVNULL, cwd=Path(__file__).parent
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment() -> dict:
+    """git sha (and whether the tree had changes), device, library versions."""
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "argv": sys.argv,
+        "date_utc": utc_stamp(),
+        "pythonunbuffered": os.environ.get("PYTHONUNBUFFERED"),
+    }
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    """Return cached allocator blocks, so the next system sizes its cache from real free memory."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
