@@ -136,9 +136,9 @@ def build_random_model(
 ):
     """An HF causal-LM with random weights, built directly on ``device`` in ``dtype``.
 
-    HF's own init is switched off (``no_init_weights``); matrices get N(0, 0.02), 1-D weights
-    (RMSNorm scales) 1.0, all from one seeded generator on the device: an 8B model takes about
-    a second on a GPU instead of minutes of CPU init.
+    HF's own init is switched off (``no_init_weights``, then ``tie_weights`` by hand); matrices
+    get N(0, 0.02), 1-D weights (RMSNorm scales) 1.0, all from one seeded generator on the
+    device: an 8B model takes about a second on a GPU instead of minutes of CPU init.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.initialization import no_init_weights
@@ -148,6 +148,9 @@ def build_random_model(
         model = AutoModelForCausalLM.from_config(
             cfg, dtype=dtype, attn_implementation=attn_implementation
         )
+    model.tie_weights()  # normally done by the init_weights that no_init_weights skips
+    if cfg.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():  # tied weights appear once

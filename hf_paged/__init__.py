@@ -4,9 +4,9 @@ Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``.
 """
 
 from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
 from hf_paged.llm import LLM
-from hf_paged.engine.llm_engine import LLMEngine
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ class LLM:
                     "prompts=<str> is not allowed without a tokenizer: save one beside the "
                     "checkpoint, pass tokenizer=..., or give token-id lists"
                 )
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.engine.validate_prompt(self.tokenizer.encode(prompt))
         return None, self.engine.validate_prompt(prompt)
 
     def generate(
@@ -76,8 +76,6 @@ class LLM:
                     "prompts: give one SamplingParams or one per prompt"
                 )
         encoded = [self._encode(p) for p in prompts]  # validate everything before queueing
-        for (text, ids) in encoded:
-            self.engine.validate_prompt(ids)
         ids_in_order = []
         try:
             for (text, ids), sp in zip(encoded, params):

@@ -35,9 +35,11 @@ def build_char_tokenizer():
 
 
 def save_demo_model(path: str, seed: int = 0, family: str = "qwen3") -> str:
-    """Save a tiny random model (hidden 64, 2 layers) and the char tokenizer to ``path``."""
-    save_tiny_model(family, path, seed=seed)
-    build_char_tokenizer().save_pretrained(path)
+    """Save a tiny random model (hidden 64, 2 layers) and the char tokenizer to ``path``; the
+    model's vocabulary is the tokenizer's (99 ids), so every generated id decodes."""
+    tok = build_char_tokenizer()
+    save_tiny_model(family, path, seed=seed, vocab_size=len(tok))
+    tok.save_pretrained(path)
     return path
 
 

@@ -274,7 +274,9 @@ class LLMEngine:
             ids = seq.output_token_ids
             text = None
             if self.tokenizer is not None:
-                text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+                text = self.tokenizer.decode(
+                    ids, skip_special_tokens=req.params.skip_special_tokens
+                )
             lps = req.logprobs.get(seq.seq_id) if req.params.logprobs is not None else None
             outs.append(CompletionOutput(i, ids, text, seq.finish_reason, lps))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs)

@@ -64,7 +64,9 @@ class ModelRunner:
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
         with _default_dtype(self.dtype), self.device:
-            self.model = get_model_class(spec.hf_config)(spec.hf_config, ModelContext(backend, self.comm))
+            self.model = get_model_class(spec.hf_config)(
+                spec.hf_config, ModelContext(backend, self.comm)
+            )
         load_weights(self.model, spec.model_source)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -135,7 +137,9 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         spec = self.attn_layers[0].spec
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+        return (
+            2 * len(self.attn_layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+        )
 
     def allocate_kv_cache(self) -> int:
         """Size and allocate the KV cache; returns the block count (MIN over ranks)."""
