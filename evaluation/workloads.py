@@ -236,5 +236,6 @@ def free_memory(device) -> None:
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731 - "paged|sdpa" inside a cell
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -205,14 +205,15 @@ class LLMEngine:
             sample = start + n == len(seq)
             chunks.append(
                 ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start,
-                               list(seq.block_table), sample)
+                               seq.block_table, sample)
             )  # fmt: skip
             if sample:
                 sampled_seqs.append(seq)
         external = tuple(
             i for i, s in enumerate(sampled_seqs) if self._seq_to_req[s.seq_id].external
         )
-        internal = [s for i, s in enumerate(sampled_seqs) if i not in set(external)]
+        ext_rows = set(external)
+        internal = [s for i, s in enumerate(sampled_seqs) if i not in ext_rows]
         sampling = self._sampling_metadata(internal) if internal else None
         ro = self.executor.run(ModelInput(chunks), sampling, external)
         ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_paged.attention import AttentionMetadata, select_backend
@@ -196,51 +197,53 @@ class ModelRunner:
             ctx.append(c.start_pos + n)
             if c.sample:
                 logits_idx.append(cu[-1] - 1)
-        meta = self._metadata(inp, cu, ctx, slots, is_decode=False)
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(logits_idx, torch.int64),
-        )
+        t = len(input_ids)
+        # one host buffer, one copy: [input_ids | positions | slots | logits_idx]
+        host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
+        dev = self._to_device(host)
+        meta = self._metadata(inp, cu, ctx, dev[2 * t : 3 * t], is_decode=False)
+        return dev[:t], dev[t : 2 * t], meta, dev[3 * t :]
 
     def prepare_decode(self, inp: ModelInput):
         """One token per sequence (its last sampled one). Same returns as ``prepare_prefill``."""
         bs = self.block_size
-        input_ids, positions, slots, ctx = [], [], [], []
-        for c in inp.chunks:
-            p = c.start_pos
-            input_ids.append(c.token_ids[0])
-            positions.append(p)
-            slots.append(c.block_table[p // bs] * bs + p % bs)
-            ctx.append(p + 1)
-        n = len(inp.chunks)
-        cu = list(range(n + 1))
-        meta = self._metadata(inp, cu, ctx, slots, is_decode=True)
+        chunks = inp.chunks
+        n = len(chunks)
+        host = np.empty((3, n), dtype=np.int64)  # input_ids, positions, slots
+        host[0] = [c.token_ids[0] for c in chunks]
+        pos = [c.start_pos for c in chunks]
+        host[1] = pos
+        host[2] = [c.block_table[p // bs] for c, p in zip(chunks, pos)]
+        host[2] = host[2] * bs + host[1] % bs
+        dev = self._to_device(host)
+        ctx = (host[1] + 1).tolist()
+        meta = self._metadata(inp, list(range(n + 1)), ctx, dev[2], is_decode=True)
         logits_idx = torch.arange(n, dtype=torch.int64, device=self.device)
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            logits_idx,
-        )
+        return dev[0], dev[1], meta, logits_idx
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(host)
+        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def _metadata(self, inp, cu, ctx, slots, is_decode: bool) -> AttentionMetadata:
-        max_blocks = max(len(c.block_table) for c in inp.chunks)
-        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in inp.chunks]
+    def _metadata(self, inp, cu, ctx, slot_mapping, is_decode: bool) -> AttentionMetadata:
+        chunks = inp.chunks
+        n = len(chunks)
+        mb = max(len(c.block_table) for c in chunks)
+        # one int32 host buffer, one copy: [block tables (n * mb) | context_lens (n) | cu (n+1)]
+        host = np.zeros(n * mb + 2 * n + 1, dtype=np.int32)
+        tables = host[: n * mb].reshape(n, mb)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_table)] = c.block_table
+        host[n * mb : n * mb + n] = ctx
+        host[n * mb + n :] = cu
+        dev = self._to_device(host)
         return AttentionMetadata(
             is_decode=is_decode,
-            num_seqs=len(inp.chunks),
-            slot_mapping=self._tensor(slots, torch.int64),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            context_lens=self._tensor(ctx, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            num_seqs=n,
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=dev[n * mb + n :],
+            context_lens=dev[n * mb : n * mb + n],
+            block_tables=dev[: n * mb].view(n, mb),
             max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             max_context_len=max(ctx),
             cu_seqlens_q_cpu=cu,

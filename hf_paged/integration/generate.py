@@ -35,7 +35,7 @@ from transformers.generation import (
 )
 
 from hf_paged.config import SamplingParams
-from hf_paged.integration.sampling import NativePlan, NotNative, plan_native
+from hf_paged.integration.sampling import NativePlan, native_plan
 
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
 # values ...) changes what the model computes, so the call runs stock
@@ -84,8 +84,11 @@ class PreparedCall:
 
     @property
     def max_new_tokens(self) -> int:
-        # stock's loop always runs at least once
-        return max(1, self.generation_config.max_length - self.input_ids.shape[1])
+        """Steps stock's loop runs at most (at least one; a user MaxLengthCriteria wins)."""
+        max_length = self.criteria.max_length
+        if max_length is None:
+            max_length = self.generation_config.max_length
+        return max(1, max_length - self.input_ids.shape[1])
 
     @property
     def pad_token_id(self) -> int | None:
@@ -111,46 +114,18 @@ def prepare_call(
     """
     kwargs = dict(kwargs)
     tokenizer = kwargs.pop("tokenizer", None)
-    own = model.generation_config
-    has_default_max_length = (
-        kwargs.get("max_length") is None
-        and (generation_config is None or generation_config.max_length is None)
-        and own.max_length is None
-    )
-    has_default_min_length = (
-        kwargs.get("min_length") is None
-        and (generation_config is None or generation_config.min_length is None)
-        and own.min_length is None
-    )
+    defaults = {  # has_default_max_length / has_default_min_length, as stock computes them
+        name: kwargs.get(name) is None
+        and (generation_config is None or getattr(generation_config, name) is None)
+        and getattr(model.generation_config, name) is None
+        for name in ("max_length", "min_length")
+    }
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     _check_generation_config(gen)
     model._validate_model_kwargs(model_kwargs.copy())
     mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer)) if v}
     model._validate_generation_mode(gen.get_generation_mode(None), gen, mode_kwargs)
-
-    inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
-        inputs, gen.bos_token_id, model_kwargs
-    )
-    if input_name != "input_ids" or inputs_tensor.dim() != 2:
-        raise PagedFallback("inputs_embeds", "the prompt is not a 2-D input_ids tensor")
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
-    if extra:
-        raise PagedFallback("model_kwargs", f"model inputs {extra} are passed to the forward")
-    batch_size, dev = inputs_tensor.shape[0], inputs_tensor.device
-    mask = model_kwargs.get("attention_mask")
-    model._prepare_special_tokens(gen, mask is not None, device=dev, batch_size=batch_size)
-    if mask is None:
-        mask = model._prepare_attention_mask_for_generation(inputs_tensor, gen, model_kwargs)
-    elif mask.dim() > 2:
-        raise ValueError("`attention_mask` passed to `generate` must be 2D.")
-    if mask.shape != inputs_tensor.shape:
-        raise PagedFallback("attention_mask", "attention_mask's shape differs from input_ids'")
-    if inputs_tensor.shape[1] == 0 or bool((mask.sum(dim=-1) == 0).any()):
-        raise PagedFallback("empty_prompt", "a row has no attended token")
-    if bool((mask[:, -1] == 0).any()):
-        # stock gives a right-padded row a pad query and restarts its positions after the pads:
-        # no paged engine can reproduce that, so those calls run stock
-        raise PagedFallback("right_padding", "the input is right padded")
+    inputs_tensor, mask = _prepare_prompt(model, gen, inputs, model_kwargs)
 
     input_ids, expanded = model._expand_inputs_for_generation(
         input_ids=inputs_tensor,
@@ -158,34 +133,31 @@ def prepare_call(
         is_encoder_decoder=False,
         attention_mask=mask,
     )
-    mask = expanded["attention_mask"]
-    length = input_ids.shape[1]
+    mask, length = expanded["attention_mask"], input_ids.shape[1]  # [B, L]
     gen = model._prepare_generated_length(
         generation_config=gen,
-        has_default_max_length=has_default_max_length,
-        has_default_min_length=has_default_min_length,
+        has_default_max_length=defaults["max_length"],
+        has_default_min_length=defaults["min_length"],
         model_input_name="input_ids",
         inputs_tensor=inputs_tensor,
         input_ids_length=length,
     )
-    model._validate_generated_length(gen, length, has_default_max_length)
+    model._validate_generated_length(gen, length, defaults["max_length"])
     all_ones = bool((mask == 1).all())  # stock drops an all-ones mask before building processors
     processors = model._get_logits_processor(
         generation_config=gen,
         input_ids_seq_length=length,
         encoder_input_ids=inputs_tensor,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-        logits_processor=logits_processor
-        if logits_processor is not None
-        else LogitsProcessorList(),
-        device=dev,
+        logits_processor=LogitsProcessorList() if logits_processor is None else logits_processor,
+        device=inputs_tensor.device,
         model_kwargs={"attention_mask": None if all_ones else mask},
     )
     criteria = model._get_stopping_criteria(
         generation_config=gen,
-        stopping_criteria=stopping_criteria
-        if stopping_criteria is not None
-        else StoppingCriteriaList(),
+        stopping_criteria=StoppingCriteriaList()
+        if stopping_criteria is None
+        else stopping_criteria,
         tokenizer=tokenizer,
     )
     keep = mask.bool()
@@ -200,6 +172,36 @@ def prepare_call(
         user_criteria=bool(stopping_criteria),
         left_padded=bool((keep[:, 1:] >= keep[:, :-1]).all()),
     )
+
+
+def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, L], attention_mask [B, L])`` as stock builds them (a missing mask is
+    inferred from the pad id); sets the config's special-token tensors."""
+    inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
+        inputs, gen.bos_token_id, model_kwargs
+    )
+    if input_name != "input_ids" or inputs_tensor.dim() != 2:
+        raise PagedFallback("inputs_embeds", "the prompt is not a 2-D input_ids tensor")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
+    if extra:
+        raise PagedFallback("model_kwargs", f"model inputs {extra} are passed to the forward")
+    mask = model_kwargs.get("attention_mask")
+    model._prepare_special_tokens(
+        gen, mask is not None, device=inputs_tensor.device, batch_size=inputs_tensor.shape[0]
+    )
+    if mask is None:
+        mask = model._prepare_attention_mask_for_generation(inputs_tensor, gen, model_kwargs)
+    elif mask.dim() > 2:
+        raise ValueError("`attention_mask` passed to `generate` must be 2D.")
+    if mask.shape != inputs_tensor.shape:
+        raise PagedFallback("attention_mask", "attention_mask's shape differs from input_ids'")
+    if inputs_tensor.shape[1] == 0 or bool((mask.sum(dim=-1) == 0).any()):
+        raise PagedFallback("empty_prompt", "a row has no attended token")
+    if bool((mask[:, -1] == 0).any()):
+        # stock gives a right-padded row a pad query and restarts its positions after the pads:
+        # no paged engine can reproduce that, so those calls run stock
+        raise PagedFallback("right_padding", "the input is right padded")
+    return inputs_tensor, mask
 
 
 def _check_generation_config(gen) -> None:
@@ -239,23 +241,6 @@ def check_fits(call: PreparedCall, engine, native: bool) -> None:
         )
 
 
-def native_plan(call: PreparedCall, vocab_size: int) -> NativePlan | None:
-    """The engine-side sampling for this call, or None when it must run the external path."""
-    if call.observed:
-        return None
-    try:
-        return plan_native(
-            call.processors,
-            call.criteria,
-            do_sample=bool(call.generation_config.do_sample),
-            input_length=call.input_ids.shape[1],
-            vocab_size=vocab_size,
-            left_padded=call.left_padded,
-        )
-    except NotNative:
-        return None
-
-
 def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     """Run one ``generate`` call (stock's arguments, already bound by name) on the engine.
 
@@ -268,7 +253,7 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     """
     call = prepare_call(model, **generate_kwargs)
     engine = get_engine()
-    plan = native_plan(call, engine.runtime.vocab_size)
+    plan = None if call.observed else native_plan(call, engine.runtime.vocab_size)
     check_fits(call, engine, native=plan is not None)
     with torch.no_grad():
         if plan is not None:
@@ -383,10 +368,8 @@ def _run_external(engine, call: PreparedCall):
     n, dev = input_ids.shape[0], input_ids.device
     pad = gen._pad_token_tensor
     pad = pad.to(dev) if pad is not None else None
-    want_scores = gen.return_dict_in_generate and gen.output_scores
-    want_logits = gen.return_dict_in_generate and gen.output_logits
-    scores = () if want_scores else None
-    raw_logits = () if want_logits else None
+    scores = () if gen.return_dict_in_generate and gen.output_scores else None
+    raw_logits = () if gen.return_dict_in_generate and gen.output_logits else None
     has_eos = any(hasattr(c, "eos_token_id") for c in call.criteria)
     # stock keeps feeding finished rows pad tokens; only scores/logits and user processors
     # can tell, so otherwise a finished row (its tokens are pad from now on) leaves the engine
@@ -394,35 +377,21 @@ def _run_external(engine, call: PreparedCall):
     unfinished = torch.ones(n, dtype=torch.long, device=dev)
     open_rows = list(range(n))
     params = SamplingParams(temperature=0.0, max_tokens=call.max_new_tokens)
-    # most steps one round can take: every row's tokens computed once more (a preempted row
-    # is recomputed) plus slack; more means the engine is stuck
-    budget = sum(len(p) for p in call.prompts) + 2 * n + 16
+    prompt_tokens = sum(len(p) for p in call.prompts)
     with _Batch(engine) as batch:
         batch.add(call.prompts, [params] * n, external=True)
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
-        while True:
-            got = _collect_logits(batch, [batch.rids[i] for i in open_rows], budget)
-            vocab = next(iter(got.values())).shape[-1]
-            rows = [got.get(batch.rids[i]) for i in range(n)]
-            next_token_logits = torch.stack(
-                [r if r is not None else torch.zeros(vocab) for r in rows]
-            ).to(dev)  # [B, V] float32
+        for step in range(call.max_new_tokens):
+            # steps a round may take: every row recomputed once (preemption), plus slack
+            budget = prompt_tokens + n * (step + 2) + 16
+            next_token_logits = _gather_logits(batch, open_rows, n, budget).to(dev)  # [B, V]
             next_token_scores = call.processors(input_ids, next_token_logits)  # [B, V]
-            if want_scores:
+            if scores is not None:
                 scores += (next_token_scores,)
-            if want_logits:
+            if raw_logits is not None:
                 raw_logits += (next_token_logits,)
-            pick = next_token_scores
-            if len(open_rows) < n:  # closed rows' tokens become pad: keep their draw valid
-                closed = torch.ones(n, dtype=torch.bool, device=dev)
-                closed[open_rows] = False
-                pick = pick.masked_fill(closed[:, None], 0.0)
-            if gen.do_sample:
-                probs = torch.nn.functional.softmax(pick, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # [B]
-            else:
-                next_tokens = torch.argmax(pick, dim=-1)  # [B]
+            next_tokens = _select(next_token_scores, gen.do_sample, open_rows)  # [B]
             if has_eos:
                 next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
@@ -439,8 +408,31 @@ def _run_external(engine, call: PreparedCall):
                     batch.provide(batch.rids[i], tokens[i])
             if done:
                 break
-            budget += n + 1
+        for rid in batch.rids:  # a criteria list without max_length: stop where stock would
+            batch.close(rid)
         batch.drain()
     if call.streamer is not None:
         call.streamer.end()
     return input_ids, scores, raw_logits
+
+
+def _gather_logits(batch: _Batch, open_rows: list[int], n: int, budget: int) -> torch.Tensor:
+    """``[B, V]`` raw next-token logits; rows no longer in the engine get zeros."""
+    got = _collect_logits(batch, [batch.rids[i] for i in open_rows], budget)
+    vocab = next(iter(got.values())).shape[-1]
+    rows = [got.get(batch.rids[i]) for i in range(n)]
+    return torch.stack([r if r is not None else torch.zeros(vocab) for r in rows])
+
+
+def _select(scores: torch.Tensor, do_sample: bool, open_rows: list[int]) -> torch.Tensor:
+    """Stock's token choice on ``[B, V]`` processed scores: multinomial (torch's global RNG) or
+    argmax. Rows that left the engine become pad afterwards; they draw from a valid uniform."""
+    n = scores.shape[0]
+    if len(open_rows) < n:
+        closed = torch.ones(n, dtype=torch.bool, device=scores.device)
+        closed[open_rows] = False
+        scores = scores.masked_fill(closed[:, None], 0.0)
+    if do_sample:
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)

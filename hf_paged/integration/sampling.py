@@ -163,3 +163,18 @@ def _check_warper(p) -> None:
         raise NotNative(f"{type(p).__name__} with min_tokens_to_keep={p.min_tokens_to_keep}")
     if getattr(p, "filter_value", _NEG_INF) != _NEG_INF:
         raise NotNative(f"{type(p).__name__} with filter_value={p.filter_value}")
+
+
+def native_plan(call, vocab_size: int) -> NativePlan | None:
+    """``plan_native`` for a prepared generate call; None when it must sample externally."""
+    try:
+        return plan_native(
+            call.processors,
+            call.criteria,
+            do_sample=bool(call.generation_config.do_sample),
+            input_length=call.input_ids.shape[1],
+            vocab_size=vocab_size,
+            left_padded=call.left_padded,
+        )
+    except NotNative:
+        return None

@@ -15,6 +15,15 @@ from tests.integration.parity_utils import SMALL_ENGINE
 ENGINE_KINDS = ("fake", "real")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; several spin against other processes."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(autouse=True)
 def clean_dispatch(monkeypatch):
     dispatch.install()

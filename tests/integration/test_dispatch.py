@@ -14,8 +14,8 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged.config import EngineConfig
 from hf_paged.integration import dispatch
-from hf_paged.integration.generate import native_plan, prepare_call
-from hf_paged.integration.sampling import NotNative, plan_native
+from hf_paged.integration.generate import prepare_call
+from hf_paged.integration.sampling import NotNative, native_plan, plan_native
 from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.parity_utils import left_pad, make_prompts
@@ -229,7 +229,7 @@ def test_deepcopy_starts_without_engine(llama, factory_calls):
 def _plan(model, **kw):
     ids, mask = left_pad(make_prompts([3, 5], seed=2))
     call = prepare_call(model, input_ids=ids, attention_mask=mask, **kw)
-    return call, native_plan(call, 256)
+    return call, None if call.observed else native_plan(call, 256)
 
 
 def test_mapping_greedy_defaults(llama):

@@ -410,3 +410,19 @@ def test_other_families_on_the_real_engine(family):
     assert torch.equal(paged.sequences, stock.sequences) and torch.equal(greedy_p, greedy_s)
     for p, s in zip(paged.logits, stock.logits, strict=True):
         torch.testing.assert_close(p, s, atol=1e-4, rtol=1e-4)
+
+
+def test_user_max_length_criteria_replaces_the_default(model, batch):
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    ids, mask = batch
+    stock, paged, *_ = stock_and_paged(
+        model,
+        fresh=lambda: dict(stopping_criteria=[MaxLengthCriteria(ids.shape[1] + 6)]),
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        eos_token_id=None,
+    )
+    assert stock.shape[1] == ids.shape[1] + 6
+    assert torch.equal(paged, stock)

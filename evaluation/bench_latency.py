@@ -1,0 +1,293 @@
+"""Single-stream decode latency, L1 (DESIGN.md "Benchmark workloads"), every system in one process.
+
+Llama-3-8B architecture (random bf16 weights), one 512-token prompt, 256 new tokens, greedy,
+batch 1. For each system: time to first token (TTFT), decode ms/token = (total - TTFT) / 255,
+and total / 256.
+
+* ``dynamic``: stock ``generate`` (sdpa, DynamicCache, eager).
+* ``static``: stock ``generate(cache_implementation="static")``. On CUDA transformers then
+  compiles the decode forward by itself (``_valid_auto_compile_criteria``: a compileable,
+  non-dynamic cache on a CUDA model and ``disable_compile`` unset; default ``CompileConfig`` =
+  inductor, ``reduce-overhead``). Warmed up ``--static-warmups`` times (default 2) with the same
+  shapes before timing; the result records whether ``model._compiled_call`` exists.
+* ``llm``: ``hf_paged.LLM(model)`` (decode CUDA graphs on unless ``--enforce-eager``), stepped
+  through its engine so TTFT is the end of the step that produced token 1.
+* ``dispatch``: ``generate(backend="paged")`` on the native path: total / 256 only (a timing
+  stopping criterion would move it to the external-sampling path).
+
+Stock TTFT/per-step times come from a StoppingCriteria that synchronizes the device and stamps the
+time at every step (stock already synchronizes once per step to check for stopping).
+
+Floor: weight bytes / device-to-device copy bandwidth, both measured in this run (copy of a
+``--copy-gib`` GiB buffer, bandwidth = 2 x size / time, as in bench_kernels.py).
+
+Usage (GPU): PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_latency.py
+Smoke (CPU): PYTHONPATH=. .venv/bin/python evaluation/bench_latency.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import (  # noqa: E402
+    RESULTS_DIR,
+    build_random_model,
+    environment,
+    free_memory,
+    log,
+    make_requests,
+    markdown_table,
+    sync,
+    weight_bytes,
+)
+
+SYSTEMS = ("llm", "dispatch", "dynamic", "static")
+LABELS = {
+    "dynamic": "HF generate (sdpa, dynamic cache)",
+    "static": "HF generate (static cache, auto-compiled)",
+    "llm": "hf_paged LLM (CUDA graphs)",
+    "dispatch": 'hf_paged generate(backend="paged")',
+}
+
+
+class StepTimer(StoppingCriteria):
+    """Never stops; records the time each new token is on the device (one call per token)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def copy_bandwidth(device, gib: float, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of ``reps``."""
+    n = int(gib * 2**30)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    del x, y
+    free_memory(device)
+    return 2 * n / statistics.median(times)
+
+
+def _row(system: str, t0: float, token_times: list[float], t_end: float, n_new: int, **extra):
+    """Latency numbers from the times at which tokens 1..n were ready (None: total only)."""
+    row = {"system": system, "label": LABELS[system], "new_tokens": n_new,
+           "total_s": t_end - t0, "total_ms_per_token": (t_end - t0) / n_new * 1e3, **extra}  # fmt: skip
+    if token_times:
+        ttft = token_times[0] - t0
+        row["ttft_ms"] = ttft * 1e3
+        row["decode_ms_per_token"] = (token_times[-1] - token_times[0]) / (n_new - 1) * 1e3
+    log(f"{system}: " + ", ".join(f"{k}={v:.2f}" for k, v in row.items()
+                                  if isinstance(v, float)))  # fmt: skip
+    return row
+
+
+def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: int, kw) -> dict:
+    system = "static" if static else "dynamic"
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def call(ids, timer=None):
+        crit = StoppingCriteriaList([timer]) if timer is not None else None
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
+            pad_token_id=0, stopping_criteria=crit, **extra, **kw,
+        )  # fmt: skip
+
+    warm = torch.tensor([warm_prompt], device=device)
+    for i in range(warmups):  # same shapes as the timed call: no recompilation there
+        t = time.perf_counter()
+        call(warm, StepTimer(device))
+        log(f"{system}: warm-up {i + 1}/{warmups} took {time.perf_counter() - t:.1f} s")
+    ids = torch.tensor([prompt], device=device)
+    timer = StepTimer(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = call(ids, timer)
+    sync(device)
+    t_end = time.perf_counter()
+    n = out.shape[1] - ids.shape[1]
+    assert n == n_new == len(timer.times), (n, n_new, len(timer.times))
+    row = _row(system, t0, timer.times, t_end, n_new)
+    if static:
+        row["compiled"] = hasattr(model, "_compiled_call")
+        if not row["compiled"]:
+            row["label"] = "HF generate (static cache, NOT compiled)"
+            log("static: transformers did not compile the forward (CPU, or criteria unmet)")
+    return row
+
+
+def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
+    from hf_paged import LLM, SamplingParams
+
+    free_memory(device)
+    t = time.perf_counter()
+    llm = LLM(model, **ekw)
+    startup = time.perf_counter() - t
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    try:
+        llm.generate([warm_prompt], params, use_tqdm=False)  # a different prompt: no prefix hit
+        engine = llm.engine
+        rid = engine.add_request(prompt, params)
+        times, done = [], None
+        sync(device)
+        t0 = time.perf_counter()
+        while done is None:
+            res = engine.step()  # returns once the step's tokens are on the host
+            times.append(time.perf_counter())
+            done = next((o for o in res.finished if o.request_id == rid), None)
+        t_end = times[-1]
+        n = len(done.outputs[0].token_ids)
+        assert n == n_new, (n, n_new)
+        # every step after the one that made token 1 makes one token (prefill may be chunked)
+        token_times = times[len(times) - n :]
+        return _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
+                    engine_config=dataclasses.asdict(engine.config))  # fmt: skip
+    finally:
+        llm.close()
+        del llm
+        free_memory(device)
+
+
+def run_dispatch(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
+    try:
+        from hf_paged.integration import install, release
+    except Exception as e:  # noqa: BLE001 - the row is optional
+        log(f"dispatch: skipped, the dispatcher does not import: {e!r}")
+        return {"system": "dispatch", "label": LABELS["dispatch"], "skipped": repr(e)}
+    install()
+    free_memory(device)
+    kw = dict(max_new_tokens=n_new, do_sample=False, pad_token_id=0, backend="paged",
+              paged_config=ekw)  # fmt: skip
+    try:
+        model.generate(torch.tensor([warm_prompt], device=device), **kw)  # builds the engine
+        ids = torch.tensor([prompt], device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        sync(device)
+        t_end = time.perf_counter()
+    finally:
+        release(model)
+        free_memory(device)
+    assert out.shape[1] - ids.shape[1] == n_new
+    return _row("dispatch", t0, [], t_end, n_new)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="llama3-8b", choices=["llama3-8b", "qwen3-0.6b", "tiny"])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--skip-dynamic", action="store_true", help="drop stock dynamic (~15 s)")
+    p.add_argument("--static-warmups", type=int, default=2)
+    p.add_argument("--copy-gib", type=float, default=2.0, help="copy-bandwidth buffer size")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny model, 32 + 8 tokens")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.arch, args.device, args.prompt_len, args.new_tokens = "tiny", "cpu", 32, 8
+        args.copy_gib, args.max_model_len = 1 / 16, None
+        args.out_dir = args.out_dir or "/tmp/hf_paged_bench_smoke"
+    systems = [s for s in args.systems if not (s == "dynamic" and args.skip_dynamic)]
+    device = args.device
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    vocab = 500 if args.smoke else 10000
+    (prompt,), _ = make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=0)
+    (warm_prompt,), _ = make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=1)
+    ekw = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+           "enforce_eager": args.enforce_eager}  # fmt: skip
+    ekw = {k: v for k, v in ekw.items() if v is not None}
+
+    log(f"L1: {args.arch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {systems}")
+    bw = copy_bandwidth(device, args.copy_gib)
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    t = time.perf_counter()
+    model = build_random_model(args.arch, device, dtype)
+    sync(device)
+    wbytes = weight_bytes(model)
+    floor_ms = wbytes / bw * 1e3
+    log(f"model built in {time.perf_counter() - t:.1f} s; {wbytes / 1e9:.2f} GB of weights -> "
+        f"floor {floor_ms:.2f} ms/token")  # fmt: skip
+    stock_kw = {}
+    try:
+        from hf_paged.integration import is_installed
+
+        stock_kw = {"backend": "hf"} if is_installed() else {}
+    except Exception:  # noqa: BLE001
+        pass
+
+    rows = []
+    for s in systems:  # ours first: the compiled static path keeps its graph pools afterwards
+        log(f"{s}: start")
+        if s == "llm":
+            rows.append(run_llm(model, prompt, warm_prompt, args.new_tokens, device, ekw))
+        elif s == "dispatch":
+            rows.append(run_dispatch(model, prompt, warm_prompt, args.new_tokens, device, ekw))
+        else:
+            static = s == "static"
+            warmups = args.static_warmups if static else 1
+            rows.append(run_stock(model, prompt, warm_prompt, args.new_tokens, device, static,
+                                  warmups, stock_kw))  # fmt: skip
+        free_memory(device)
+
+    for r in rows:
+        if "total_ms_per_token" in r:
+            r["total_vs_floor"] = r["total_ms_per_token"] / floor_ms
+            if "decode_ms_per_token" in r:
+                r["decode_vs_floor"] = r["decode_ms_per_token"] / floor_ms
+    fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    table = markdown_table(
+        ["system", "TTFT ms", f"decode ms/token (/{args.new_tokens - 1})",
+         f"total ms/token (/{args.new_tokens})", "decode / floor"],
+        [[r["label"], fmt(r, "ttft_ms"), fmt(r, "decode_ms_per_token"),
+          fmt(r, "total_ms_per_token") if "skipped" not in r else f"skipped: {r['skipped']}",
+          f"{r['decode_vs_floor']:.2f}x" if "decode_vs_floor" in r else "-"] for r in rows]
+        + [["floor: weight bytes / copy bandwidth", "-", f"{floor_ms:.2f}", f"{floor_ms:.2f}",
+            "1.00x"]],
+    )  # fmt: skip
+    env = environment()
+    print(f"\n### L1 ({args.arch}) on {env['gpu'] or 'cpu'}\n\n{table}\n", flush=True)
+    out_dir = Path(args.out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"latency_{env['date_utc']}.json"
+    doc = {
+        "benchmark": "latency", "workload": "L1", "arch": args.arch, "smoke": args.smoke,
+        "env": env, "dtype": str(dtype), "device": device, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "weight_bytes": wbytes, "copy_GBps": bw / 1e9,
+        "copy_gib": args.copy_gib, "floor_ms_per_token": floor_ms, "engine_kwargs": ekw,
+        "systems": rows, "table_markdown": table,
+    }  # fmt: skip
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""``hf-paged``: generate from the command line, run unmodified programs paged, benchmark.
+
+    hf-paged generate MODEL_PATH --prompt "Hello" [--prompt ...] [--prompts-file FILE]
+    hf-paged run [--report] script.py [args ...]     # like `python script.py args ...`
+    hf-paged run [--report] -m module [args ...]     # like `python -m module args ...`
+    hf-paged bench MODEL_PATH [--num-requests N ...]
+
+``generate`` prints one JSON line per prompt: ``{"prompt", "text", "token_ids",
+"finish_reason"}``. ``run`` sets ``HF_PAGED_BACKEND=paged`` (inherited by child processes),
+installs the ``generate`` and ``pipeline`` dispatchers and runs the program as python would;
+with ``--report`` it prints to stderr at exit how many ``generate`` calls the paged engine
+served. ``bench`` times a W1-like workload (random prompts, random output lengths, EOS ignored,
+greedy) with stock ``generate`` on padded batches and with ``LLM``, and prints tok/s and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import runpy
+import sys
+import time
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+# ---- shared options --------------------------------------------------------------------------
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options (EngineConfig keys; unset = the engine's default)")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--kv-block-size", type=int)
+    g.add_argument("--tensor-parallel-size", type=int)
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", choices=_DTYPES)
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+
+
+_ENGINE_KEYS = (
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_block_size",
+    "tensor_parallel_size", "device", "dtype", "enforce_eager",
+)  # fmt: skip
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
+
+
+def _check_model_path(parser: argparse.ArgumentParser, path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        parser.error(
+            f"MODEL_PATH={path!r} is not allowed: must be a local checkpoint directory with a "
+            "config.json (nothing is downloaded)"
+        )
+
+
+# ---- generate --------------------------------------------------------------------------------
+
+
+def _read_prompts_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """One prompt per line; a line starting with ``{`` is a JSON object with a "prompt"."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        parser.error(f"--prompts-file={path!r} is not allowed: {e.strerror}")
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            prompts.append(line)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            parser.error(f"--prompts-file={path!r} line {n} is not valid JSON: {e.msg}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            parser.error(
+                f"--prompts-file={path!r} line {n} is not allowed: a JSON line must be an object "
+                'with a string "prompt"'
+            )
+        prompts.append(obj["prompt"])
+    return prompts
+
+
+def _cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _check_model_path(parser, args.model_path)
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        prompts += _read_prompts_file(parser, args.prompts_file)
+    if not prompts:
+        parser.error("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    from hf_paged import LLM, SamplingParams
+
+    try:
+        params = [
+            SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                ignore_eos=args.ignore_eos,
+                seed=None if args.seed is None else args.seed + i,
+            )
+            for i in range(len(prompts))
+        ]
+        llm = LLM(args.model_path, **_engine_kwargs(args))
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    with llm:
+        if llm.tokenizer is None:
+            parser.error(f"MODEL_PATH={args.model_path!r} has no tokenizer saved beside it")
+        outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    for prompt, out in zip(prompts, outs, strict=True):
+        c = out.outputs[0]
+        row = {
+            "prompt": prompt,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+        }
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+    return 0
+
+
+# ---- run -------------------------------------------------------------------------------------
+
+
+class PagedCallCounter:
+    """Counts the ``generate`` calls the paged engine served (dispatcher and
+    ``PagedModelForCausalLM``), by wrapping ``generate_paged`` where both look it up."""
+
+    def __init__(self):
+        self.calls = 0
+        self._saved = None
+
+    def install(self) -> None:
+        from hf_paged.integration import dispatch
+        from hf_paged.integration import generate as gen
+
+        original = gen.generate_paged
+
+        def counted(*args, **kwargs):
+            out = original(*args, **kwargs)  # a PagedFallback raised here ran stock instead
+            self.calls += 1
+            return out
+
+        self._saved = (dispatch.generate_paged, gen.generate_paged)
+        dispatch.generate_paged = counted  # dispatch imported the name
+        gen.generate_paged = counted  # auto.py looks it up on the module
+
+    def uninstall(self) -> None:
+        from hf_paged.integration import dispatch
+        from hf_paged.integration import generate as gen
+
+        if self._saved is not None:
+            dispatch.generate_paged, gen.generate_paged = self._saved
+            self._saved = None
+
+
+def _parse_run(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
+    """``(report, module, script, args)`` from what follows ``run``, parsed as python parses
+    its own command line: our options stop at the first program argument."""
+    report, i = False, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        if argv[i] in ("-h", "--help"):
+            print(_RUN_USAGE)
+            raise SystemExit(0)
+        if argv[i] != "--report":
+            _usage_error(f"run: option {argv[i]!r} is not allowed: options are --report, -m")
+        report, i = True, i + 1
+    rest = argv[i:]
+    if rest[:1] == ["-m"]:
+        if len(rest) < 2:
+            _usage_error("run: -m needs a module name: hf-paged run -m module [args ...]")
+        return report, rest[1], None, rest[2:]
+    if not rest:
+        _usage_error("run: missing the program: hf-paged run script.py [args ...]")
+    if not os.path.isfile(rest[0]):
+        _usage_error(f"run: script={rest[0]!r} is not allowed: no such file")
+    return report, None, rest[0], rest[1:]
+
+
+_RUN_USAGE = """usage: hf-paged run [--report] script.py [args ...]
+       hf-paged run [--report] -m module [args ...]
+
+Run a program unmodified, with every transformers generate call on the paged engine
+(HF_PAGED_BACKEND=paged). --report prints to stderr at exit how many calls the engine served."""
+
+
+def _usage_error(message: str) -> None:
+    print(f"hf-paged: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _cmd_run(argv: list[str]) -> int:
+    report, module, script, args = _parse_run(argv)
+    os.environ["HF_PAGED_BACKEND"] = "paged"  # child processes inherit it
+    import hf_paged  # noqa: F401  (installs the dispatcher once the package does so on import)
+    from hf_paged.integration import dispatch
+    from hf_paged.integration.pipeline import install_pipeline
+
+    dispatch.install()
+    install_pipeline()
+    counter = PagedCallCounter()
+    if report:
+        counter.install()
+    try:
+        if module is not None:
+            sys.argv = [module, *args]  # run_module replaces argv[0] with the module's file
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        if report:
+            counter.uninstall()
+            print(
+                f"hf_paged: {counter.calls} generate call(s) served by the paged engine",
+                file=sys.stderr,
+                flush=True,
+            )
+    return 0
+
+
+# ---- bench -----------------------------------------------------------------------------------
+
+
+def _workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """W1's shape, scaled: random prompt ids < min(10000, vocab) (skipping the first 4, which
+    are often special), random prompt and output lengths."""
+    rng = random.Random(args.seed)
+    hi = min(10000, vocab_size)
+    prompts = [
+        [rng.randrange(4, hi) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+        for _ in range(args.num_requests)
+    ]
+    outputs = [
+        rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)
+    ]
+    return prompts, outputs
+
+
+def _bench_hf(path: str, prompts, out_lens, batch_size: int, device: str, dtype) -> float:
+    """Stock generate on left-padded batches, each row stopped at its own length; seconds."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria
+
+    class RowLengths(StoppingCriteria):
+        def __init__(self, ends):
+            self.ends = ends  # [B] total length at which each row is done
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] >= self.ends
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    gen = copy.deepcopy(model.generation_config)
+    gen.eos_token_id, gen.do_sample = None, False  # EOS ignored, greedy
+    gen.pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else 0
+
+    def run(ps, lens):
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[gen.pad_token_id] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
+        ends = torch.tensor([width + n for n in lens], device=device)
+        model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=gen,
+            max_new_tokens=max(lens), stopping_criteria=[RowLengths(ends)],
+        )  # fmt: skip
+
+    run(prompts[:1], [2])  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        run(prompts[i : i + batch_size], out_lens[i : i + batch_size])
+    _sync(device)
+    return time.perf_counter() - start  # the model is freed on return
+
+
+def _bench_paged(path: str, prompts, out_lens, engine_kwargs: dict) -> tuple[float, str, object]:
+    """``LLM`` on all requests at once; ``(seconds, device, dtype)``."""
+    from hf_paged import LLM, SamplingParams
+
+    with LLM(path, **engine_kwargs) as llm:
+        device, dtype = llm.engine.runtime.device, llm.engine.runtime.dtype
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        _sync(device)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        return time.perf_counter() - start, device, dtype
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("num_requests", "min_input_len", "min_output_len", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: >= 1")
+    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        if getattr(args, hi) < getattr(args, lo):
+            parser.error(
+                f"--{hi.replace('_', '-')}={getattr(args, hi)} is not allowed: must be >= "
+                f"--{lo.replace('_', '-')}={getattr(args, lo)}"
+            )
+
+
+def _cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _check_model_path(parser, args.model_path)
+    _check_bench_args(parser, args)
+    from transformers import AutoConfig
+
+    from hf_paged.config import EngineConfig
+
+    try:
+        EngineConfig.from_dict(_engine_kwargs(args))
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    vocab = AutoConfig.from_pretrained(args.model_path).vocab_size
+    prompts, out_lens = _workload(args, vocab)
+    total = sum(out_lens)
+    # the engine goes second: on a GPU its KV cache takes the memory the HF model had
+    rows = []
+    if not args.skip_hf:
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = None if (args.dtype or "auto") == "auto" else getattr(torch, args.dtype)
+        hf_s = _bench_hf(args.model_path, prompts, out_lens, args.hf_batch_size, device, dtype)
+        rows.append(("hf", hf_s))
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    paged_s, device, dtype = _bench_paged(args.model_path, prompts, out_lens, _engine_kwargs(args))
+    rows.append(("paged", paged_s))
+    _print_bench(rows, total, len(prompts), device, dtype, args.json)
+    return 0
+
+
+def _print_bench(rows, total: int, n: int, device: str, dtype, as_json: bool) -> None:
+    base = rows[0][1] if rows[0][0] == "hf" else None
+    results = [
+        {
+            "backend": name,
+            "requests": n,
+            "output_tokens": total,
+            "seconds": round(s, 4),
+            "tok_per_s": round(total / s, 1),
+            "vs_hf": None if base is None else round(base / s, 2),
+        }
+        for name, s in rows
+    ]
+    if as_json:
+        print(json.dumps({"device": device, "dtype": str(dtype), "results": results}))
+        return
+    print(f"device={device} dtype={dtype}")
+    print(
+        f"{'backend':<8} {'requests':>8} {'out_tokens':>10} {'seconds':>9} {'tok/s':>9} {'vs hf':>6}"
+    )
+    for r in results:
+        ratio = "-" if r["vs_hf"] is None else f"{r['vs_hf']:.2f}x"
+        print(
+            f"{r['backend']:<8} {r['requests']:>8} {r['output_tokens']:>10} "
+            f"{r['seconds']:>9.3f} {r['tok_per_s']:>9.1f} {ratio:>6}"
+        )
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-paged", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="{generate,run,bench}")
+
+    g = sub.add_parser("generate", help="generate for prompts, JSON lines on stdout")
+    g.add_argument("model_path", metavar="MODEL_PATH", help="local checkpoint directory")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help='one prompt per line, or JSON lines with "prompt"')
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--seed", type=int, help="prompt i samples with seed + i")
+    g.add_argument("--ignore-eos", action="store_true")
+    _add_engine_options(g)
+    g.set_defaults(handler=_cmd_generate, command_parser=g)
+
+    sub.add_parser("run", help="run a program with generate on the paged engine", add_help=False)
+
+    b = sub.add_parser("bench", help="stock generate vs paged on a W1-like workload")
+    b.add_argument("model_path", metavar="MODEL_PATH", help="local checkpoint directory")
+    b.add_argument("--num-requests", type=int, default=16)
+    b.add_argument("--min-input-len", type=int, default=16)
+    b.add_argument("--max-input-len", type=int, default=64)
+    b.add_argument("--min-output-len", type=int, default=16)
+    b.add_argument("--max-output-len", type=int, default=64)
+    b.add_argument("--hf-batch-size", type=int, default=64, help="stock generate's batch size")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--skip-hf", action="store_true", help="time the paged engine only")
+    b.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _add_engine_options(b)
+    b.set_defaults(handler=_cmd_bench, command_parser=b)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point (``hf-paged``). Returns the exit code; bad input exits with 2 and
+    a message naming the argument, the value and what is allowed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return _cmd_run(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.handler(args.command_parser, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

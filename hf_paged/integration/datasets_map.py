@@ -1,0 +1,243 @@
+"""Batch generation over a ``datasets.Dataset`` with ``Dataset.map``: one engine run per map batch.
+
+Recipe::
+
+    from datasets import Dataset
+    from hf_paged.integration.datasets_map import paged_generate_map
+
+    ds = Dataset.from_dict({"prompt": ["Hello", "The capital of France is"]})
+    fn = paged_generate_map("path/to/ckpt", column="prompt", output_column="generated",
+                            batch_size=256, max_new_tokens=32, do_sample=False,
+                            paged_config={"max_num_seqs": 64})
+    ds = ds.map(fn, **fn.map_kwargs)        # batched=True, batch_size=256
+    print(ds[0]["generated"])
+    fn.close()                              # frees the engine (a path was given)
+
+Each row gets what ``model.generate(**tokenizer(row, return_tensors="pt"), **generate_kwargs)``
+would give it alone (its new tokens, decoded with ``skip_special_tokens=True``): stock
+``generate`` prepares every row (defaults, validation, processors) and the engine samples all
+rows of the map batch together, continuous batching them, with a tqdm bar over finished rows.
+Generate options the engine cannot sample itself (user logits processors or stopping criteria,
+a streamer, ...) make the whole map batch one left-padded ``generate(backend="paged")`` call
+instead: then a row gets what stock batched ``generate`` gives it in that padded batch.
+
+Keep ``num_proc`` unset: the function holds an engine, which can't be sent to other processes.
+Dataset caching sees a new function each time ``paged_generate_map`` is called (the model is not
+hashed).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_paged.integration import dispatch
+from hf_paged.integration import generate as _generate
+
+
+def paged_generate_map(
+    model_or_path,
+    tokenizer=None,
+    column: str = "prompt",
+    output_column: str = "generated",
+    batch_size: int = 256,
+    *,
+    paged_config: dict | None = None,
+    use_tqdm: bool = True,
+    **generate_kwargs,
+) -> PagedGenerateMap:
+    """A function for ``Dataset.map(fn, batched=True)`` that generates for every row.
+
+    Args:
+        model_or_path: a local checkpoint directory (opened with
+            ``AutoPagedModelForCausalLM``; the HF model is never loaded), a
+            ``PagedModelForCausalLM``, or a loaded HF causal LM (its dispatcher engine is used).
+        tokenizer: defaults to the one saved beside the checkpoint (a path only).
+        column: input column: strings, chats (lists of ``{"role", "content"}`` dicts; the chat
+            template is applied with a generation prompt) or lists of token ids.
+        output_column: column the decoded new text goes to.
+        batch_size: rows per map batch, i.e. per engine run; ``fn.map_kwargs`` holds it.
+        paged_config: EngineConfig keys for the engine (a path or a loaded model).
+        use_tqdm: a progress bar over each map batch's finished rows.
+        **generate_kwargs: ``generate`` options (``max_new_tokens``, ``do_sample`` ...).
+
+    Raises:
+        ValueError / TypeError: a bad argument (named in the message).
+    """
+    return PagedGenerateMap(
+        model_or_path, tokenizer, column, output_column, batch_size, paged_config, use_tqdm,
+        generate_kwargs,
+    )  # fmt: skip
+
+
+class PagedGenerateMap:
+    """The callable ``paged_generate_map`` returns: ``fn(batch: dict[str, list]) -> {output_column:
+    list[str]}``. ``fn.map_kwargs`` are the ``Dataset.map`` keywords it is meant for."""
+
+    def __init__(
+        self, model_or_path, tokenizer, column, output_column, batch_size, paged_config,
+        use_tqdm, generate_kwargs,
+    ):  # fmt: skip
+        from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} is not allowed: must be an int >= 1")
+        for name, value in (("column", column), ("output_column", output_column)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}={value!r} is not allowed: must be a column name")
+        self._owned = False
+        self._paged_config = paged_config
+        if isinstance(model_or_path, (str, os.PathLike)):
+            model = AutoPagedModelForCausalLM.from_pretrained(model_or_path, **(paged_config or {}))
+            self._owned = True
+        elif isinstance(model_or_path, PagedModelForCausalLM) or hasattr(model_or_path, "generate"):
+            model = model_or_path
+        else:
+            raise TypeError(
+                f"model_or_path={type(model_or_path).__name__} is not allowed: pass a checkpoint "
+                "directory, a PagedModelForCausalLM or a loaded transformers causal LM"
+            )
+        self.model = model
+        self._paged = isinstance(model, PagedModelForCausalLM)
+        if tokenizer is None:
+            tokenizer = model.tokenizer if self._paged else None
+        if tokenizer is None:
+            raise ValueError("tokenizer=None is not allowed here: pass the model's tokenizer")
+        if not self._paged:
+            reason = dispatch.precheck(model, {}, {})
+            if reason is not None:
+                raise ValueError(f"this model can't run on the paged engine: {reason[1]}")
+        self.tokenizer = tokenizer
+        self.column = column
+        self.output_column = output_column
+        self.use_tqdm = use_tqdm
+        self.generate_kwargs = dict(generate_kwargs)
+        self.map_kwargs = {"batched": True, "batch_size": batch_size}
+        self._token = uuid.uuid4().hex  # what dataset fingerprinting sees instead of the model
+
+    def __call__(self, batch: dict) -> dict:
+        if self.column not in batch:
+            raise ValueError(
+                f"column={self.column!r} is not allowed: the dataset's columns are {sorted(batch)}"
+            )
+        prompts = [self._encode(row, i) for i, row in enumerate(batch[self.column])]
+        if not prompts:
+            return {self.output_column: []}
+        new_tokens = self._generate(prompts)
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+        return {self.output_column: texts}
+
+    def _encode(self, row, index: int) -> list[int]:
+        if isinstance(row, str):
+            return self.tokenizer(row)["input_ids"]
+        if isinstance(row, list) and row and all(isinstance(m, dict) for m in row):
+            out = self.tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        if isinstance(row, list) and row and all(isinstance(t, int) for t in row):
+            return row
+        raise ValueError(
+            f"{self.column}[{index}]={row!r} is not allowed: rows must be strings, chats (lists "
+            "of role/content dicts) or non-empty lists of token ids"
+        )
+
+    # ---- one engine run per map batch --------------------------------------------------------
+
+    def _prep_model(self):
+        return self.model._skeleton if self._paged else self.model
+
+    def _engine(self):
+        if self._paged:
+            return self.model.engine
+        return dispatch.get_engine(self.model, self._paged_config)
+
+    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        prep = self._prep_model()
+        device = self.model.device
+        calls = [
+            _generate.prepare_call(
+                prep,
+                torch.tensor([p], device=device),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
+                **self.generate_kwargs,
+            )
+            for p in prompts
+        ]  # stock's per-row preparation: defaults, validation, processors, criteria
+        engine = self._engine()
+        plans = [_generate.native_plan(c, engine.runtime.vocab_size) for c in calls]
+        if any(p is None for p in plans):
+            return self._generate_padded(prompts)
+        for c in calls:
+            _generate.check_fits(c, engine, native=True)
+        seeds = [None] * len(plans)
+        if any(p.temperature > 0 for p in plans):  # as generate(): seeds from torch's RNG
+            seeds = torch.randint(0, 2**62, (len(plans),)).tolist()
+        params = [p.sampling_params(s) for p, s in zip(plans, seeds, strict=True)]
+        return _run_requests(engine, prompts, params, self.use_tqdm)
+
+    def _generate_padded(self, prompts: list[list[int]]) -> list[list[int]]:
+        """One left-padded paged ``generate`` call for the whole map batch."""
+        pad = self.tokenizer.pad_token_id
+        pad = 0 if pad is None else pad
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = dict(self.generate_kwargs)
+        kwargs.setdefault("pad_token_id", pad)
+        if not self._paged:
+            kwargs.update(backend="paged", paged_config=self._paged_config)
+        device = self.model.device
+        out = self.model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs
+        )
+        out = out if isinstance(out, torch.Tensor) else out.sequences
+        return [row[width:].tolist() for row in out]
+
+    # ---- lifecycle / pickling ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the engine if this function opened it from a path."""
+        if self._owned:
+            self.model.close()
+
+    def __reduce__(self):
+        # datasets hashes the map function by pickling it: hash a token, never the model
+        return (_unpicklable, (self._token,))
+
+
+def _unpicklable(token: str):
+    raise RuntimeError(
+        "a PagedGenerateMap can't be sent to another process (it holds an engine): "
+        "call Dataset.map without num_proc"
+    )
+
+
+def _run_requests(engine, prompts, params, use_tqdm: bool) -> list[list[int]]:
+    """All rows as engine requests, stepped to completion; new token ids per row in order.
+    On an error every open request is aborted and drained, so the engine stays usable."""
+    rids, done = [], {}
+    bar = tqdm(total=len(prompts), desc="hf_paged generate", disable=not use_tqdm, leave=False)
+    try:
+        for p, sp in zip(prompts, params, strict=True):
+            rids.append(engine.add_request(p, sp))
+        _step_until_done(engine, rids, done, bar.update)
+    except BaseException:
+        for rid in rids:
+            if rid not in done:
+                engine.abort(rid)
+        _step_until_done(engine, rids, done, lambda n: None)  # aborted ones report "abort"
+        raise
+    finally:
+        bar.close()
+    return [done[r].outputs[0].token_ids for r in rids]
+
+
+def _step_until_done(engine, rids: list, done: dict, progress) -> None:
+    wanted = set(rids)
+    while not wanted <= done.keys():
+        for out in engine.step().finished:
+            if out.request_id in wanted:
+                done[out.request_id] = out
+                progress(1)
