@@ -47,6 +47,7 @@ from workloads import (  # noqa: E402
     log,
     make_requests,
     markdown_table,
+    mem_str,
     sync,
     weight_bytes,
 )
@@ -105,21 +106,34 @@ def _row(system: str, t0: float, token_times: list[float], t_end: float, n_new: 
     return row
 
 
-def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: int, kw) -> dict:
+def _dispatcher_installed() -> bool:
+    try:
+        from hf_paged.integration import is_installed
+    except Exception:  # noqa: BLE001 - no dispatcher: plain stock generate
+        return False
+    return is_installed()
+
+
+def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: int) -> dict:
     system = "static" if static else "dynamic"
     extra = {"cache_implementation": "static"} if static else {}
 
-    def call(ids, timer=None):
+    kw = {"backend": "hf"} if _dispatcher_installed() else {}  # stay stock whatever the env says
+
+    def call(ids, timer=None, new=n_new):
         crit = StoppingCriteriaList([timer]) if timer is not None else None
         return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
             pad_token_id=0, stopping_criteria=crit, **extra, **kw,
         )  # fmt: skip
 
     warm = torch.tensor([warm_prompt], device=device)
-    for i in range(warmups):  # same shapes as the timed call: no recompilation there
+    # static: the same shapes as the timed call (the cache is sized by max_length), so the timed
+    # call neither recompiles nor re-records graphs; dynamic has nothing to compile: 8 tokens do
+    warm_new = n_new if static else min(n_new, 8)
+    for i in range(warmups):
         t = time.perf_counter()
-        call(warm, StepTimer(device))
+        call(warm, StepTimer(device), warm_new)
         log(f"{system}: warm-up {i + 1}/{warmups} took {time.perf_counter() - t:.1f} s")
     ids = torch.tensor([prompt], device=device)
     timer = StepTimer(device)
@@ -163,8 +177,11 @@ def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
         assert n == n_new, (n, n_new)
         # every step after the one that made token 1 makes one token (prefill may be chunked)
         token_times = times[len(times) - n :]
-        return _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
-                    engine_config=dataclasses.asdict(engine.config))  # fmt: skip
+        row = _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
+                   engine_config=dataclasses.asdict(engine.config))  # fmt: skip
+        if device == "cpu" or ekw.get("enforce_eager"):
+            row["label"] = "hf_paged LLM (eager)"
+        return row
     finally:
         llm.close()
         del llm
@@ -236,17 +253,10 @@ def main(argv=None) -> None:
     floor_ms = wbytes / bw * 1e3
     log(f"model built in {time.perf_counter() - t:.1f} s; {wbytes / 1e9:.2f} GB of weights -> "
         f"floor {floor_ms:.2f} ms/token")  # fmt: skip
-    stock_kw = {}
-    try:
-        from hf_paged.integration import is_installed
-
-        stock_kw = {"backend": "hf"} if is_installed() else {}
-    except Exception:  # noqa: BLE001
-        pass
 
     rows = []
     for s in systems:  # ours first: the compiled static path keeps its graph pools afterwards
-        log(f"{s}: start")
+        log(f"{s}: start ({mem_str(device)})")
         if s == "llm":
             rows.append(run_llm(model, prompt, warm_prompt, args.new_tokens, device, ekw))
         elif s == "dispatch":
@@ -254,8 +264,9 @@ def main(argv=None) -> None:
         else:
             static = s == "static"
             warmups = args.static_warmups if static else 1
-            rows.append(run_stock(model, prompt, warm_prompt, args.new_tokens, device, static,
-                                  warmups, stock_kw))  # fmt: skip
+            rows.append(
+                run_stock(model, prompt, warm_prompt, args.new_tokens, device, static, warmups)
+            )
         free_memory(device)
 
     for r in rows:

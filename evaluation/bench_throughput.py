@@ -47,6 +47,7 @@ from workloads import (  # noqa: E402
     get_workload,
     log,
     markdown_table,
+    mem_str,
     sync,
     weight_bytes,
 )
@@ -102,8 +103,18 @@ def _result(system: str, wl: Workload, wall: float, outputs: list[list[int]], **
 # ---- systems ----------------------------------------------------------------------------------
 
 
+def _dispatcher_installed() -> bool:
+    try:
+        from hf_paged.integration import is_installed
+    except Exception:  # noqa: BLE001 - no dispatcher: plain stock generate
+        return False
+    return is_installed()
+
+
 def _generate_batches(model, wl: Workload, batch_size: int, device, **kwargs) -> list[list[int]]:
     """``wl`` through ``model.generate`` in left-padded batches with per-row stopping."""
+    if "backend" not in kwargs and _dispatcher_installed():
+        kwargs["backend"] = "hf"  # stock rows stay stock whatever HF_PAGED_BACKEND says
     outputs = []
     for start in range(0, wl.num_requests, batch_size):
         prompts = wl.prompts[start : start + batch_size]
@@ -121,12 +132,12 @@ def _generate_batches(model, wl: Workload, batch_size: int, device, **kwargs) ->
     return outputs
 
 
-def run_stock(model, wl: Workload, batch_size: int, device, stock_kwargs: dict) -> dict:
+def run_stock(model, wl: Workload, batch_size: int, device) -> dict:
     warm = Workload("warmup", wl.arch, [[1, 2, 3, 4], [5, 6]], [4, 2])
-    _generate_batches(model, warm, 2, device, **stock_kwargs)
+    _generate_batches(model, warm, 2, device)
     sync(device)
     t0 = time.perf_counter()
-    outputs = _generate_batches(model, wl, batch_size, device, **stock_kwargs)
+    outputs = _generate_batches(model, wl, batch_size, device)
     sync(device)
     return _result("stock", wl, time.perf_counter() - t0, outputs, batch_size=batch_size)
 
@@ -273,13 +284,13 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     }
 
 
-def check_agreement(model, wl, results, k, batch_size, device, stock_kwargs) -> dict:
+def check_agreement(model, wl, results, k, batch_size, device) -> dict:
     by = {r["system"]: r for r in results if "outputs" in r}
     if "stock" in by and by["stock"]["requests"] >= k:
         ref = by["stock"]["outputs"][:k]
     else:  # untimed stock run on the first k requests
         log(f"agreement: stock generate on the first {k} requests (untimed)")
-        ref = _generate_batches(model, wl.head(k), batch_size, device, **stock_kwargs)
+        ref = _generate_batches(model, wl.head(k), batch_size, device)
     out = {}
     for name in ("llm", "llm_subset", "dispatch"):
         if name in by and by[name]["requests"] >= k:
@@ -374,22 +385,14 @@ def run_workload(name: str, args) -> Path:
     model = build_random_model(wl.arch, device, dtype)
     sync(device)
     log(f"model built in {time.perf_counter() - t:.1f} s ({weight_bytes(model) / 1e9:.2f} GB)")
-    stock_kwargs = {}
-    try:  # with the dispatcher installed, pin stock rows to stock whatever the environment says
-        from hf_paged.integration import is_installed
-
-        if is_installed():
-            stock_kwargs = {"backend": "hf"}
-    except Exception:  # noqa: BLE001
-        pass
 
     results = []
     if "stock" in args.systems:
-        log("stock: start")
-        results.append(run_stock(model, base, args.stock_batch_size, device, stock_kwargs))
+        log(f"stock: start ({mem_str(device)})")
+        results.append(run_stock(model, base, args.stock_batch_size, device))
         free_memory(device)
     if "cb" in args.systems:
-        log("cb: start")
+        log(f"cb: start ({mem_str(device)})")
         try:
             results.append(run_cb(model, base, device))
         except Exception as e:  # noqa: BLE001 - report the row as failed, keep the others
@@ -397,17 +400,17 @@ def run_workload(name: str, args) -> Path:
             results.append({"system": "cb", "label": LABELS["cb"], "skipped": f"failed: {e!r}"})
         free_memory(device)
     if "llm" in args.systems:
-        log("llm: start")
+        log(f"llm: start ({mem_str(device)})")
         results.append(run_llm(model, ours, ekw, device))
         if base.num_requests != ours.num_requests and not args.no_llm_subset:
             results.append(run_llm(model, base, ekw, device, system="llm_subset"))
     if "dispatch" in args.systems:
-        log("dispatch: start")
+        log(f"dispatch: start ({mem_str(device)})")
         n = args.dispatch_requests or base.num_requests
         results.append(run_dispatch(model, wl.head(n), args.stock_batch_size, device, ekw))
     if args.check_agreement:
         k = min(args.check_agreement, wl.num_requests)
-        agree = check_agreement(model, wl, results, k, args.stock_batch_size, device, stock_kwargs)
+        agree = check_agreement(model, wl, results, k, args.stock_batch_size, device)
     else:
         agree = {}
     meta = {

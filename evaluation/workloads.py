@@ -148,6 +148,9 @@ def build_random_model(
         model = AutoModelForCausalLM.from_config(
             cfg, dtype=dtype, attn_implementation=attn_implementation
         )
+    if any(p.device.type != torch.device(device).type for p in model.parameters()):
+        log(f"build_random_model: from_config ignored the device context; moving to {device}")
+        model.to(device)  # slow for big models on the host; should not happen with transformers 5
     model.tie_weights()  # normally done by the init_weights that no_init_weights skips
     if cfg.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -232,6 +235,17 @@ def free_memory(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def mem_str(device) -> str:
+    """GPU memory in use / held by the caching allocator / free, for progress lines."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    free, total = torch.cuda.mem_get_info(device)
+    alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    return (
+        f"alloc {alloc / 2**30:.1f} GiB, reserved {reserved / 2**30:.1f}, free {free / 2**30:.1f}"
+    )
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

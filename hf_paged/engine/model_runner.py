@@ -97,43 +97,50 @@ class ModelRunner:
         return kv
 
     def warmup_model(self) -> None:
-        """A synthetic prefill at the largest step size, to compile kernels and measure peak
-        memory. Only on CUDA: on CPU the KV budget is a byte count, not what is left over."""
+        """A synthetic prefill at the largest step size, to compile kernels and measure the
+        activations' peak memory. Only on CUDA: on CPU the KV budget is a byte count."""
+        self.activation_peak_bytes = 0
         if self.device.type != "cuda":
             return
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._set_kv_cache(1)  # a placeholder; warmup writes nothing (slots are -1)
         max_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.max_model_len, max_tokens)
         num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
-        lens = [seq_len] * num_seqs
-        meta, input_ids, positions = self._synthetic_prefill(lens)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._set_kv_cache(num_seqs * blocks_per_seq)  # a real cache, freed below
+        meta, input_ids, positions = self._synthetic_prefill([seq_len] * num_seqs, blocks_per_seq)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta)
             self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
         torch.cuda.synchronize(self.device)
+        self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
+        torch.cuda.empty_cache()
 
-    def _synthetic_prefill(self, lens: list[int]):
-        dev = self.device
-        total = sum(lens)
-        cu = [0]
-        for n in lens:
+    def _synthetic_prefill(self, lens: list[int], blocks_per_seq: int):
+        """Sequence i of ``lens`` owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+        bs = self.block_size
+        cu, slots, positions, tables = [0], [], [], []
+        for i, n in enumerate(lens):
             cu.append(cu[-1] + n)
+            positions.extend(range(n))
+            slots.extend(i * blocks_per_seq * bs + p for p in range(n))
+            tables.append(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        dev = self.device
         meta = AttentionMetadata(
             is_decode=False, num_seqs=len(lens),
-            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([list(t) for t in tables], dtype=torch.int32, device=dev),
             max_seqlen_q=max(lens), max_context_len=max(lens),
             cu_seqlens_q_cpu=cu, context_lens_cpu=list(lens),
         )  # fmt: skip
-        input_ids = torch.zeros(total, dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        return meta, input_ids, positions
+        input_ids = torch.zeros(len(slots), dtype=torch.int64, device=dev)
+        return meta, input_ids, torch.tensor(positions, dtype=torch.int64, device=dev)
 
     def kv_block_bytes(self) -> int:
         spec = self.attn_layers[0].spec
@@ -152,10 +159,9 @@ class ModelRunner:
             num_blocks = cfg.kv_cache_bytes // block_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            # what we may use, minus what is in use now, minus the activations' peak headroom
-            budget = total * cfg.gpu_memory_utilization - (total - free) - (peak - current)
+            # what we may use, minus what is in use now, minus the activations' peak
+            used = total - free
+            budget = total * cfg.gpu_memory_utilization - used - self.activation_peak_bytes
             num_blocks = int(budget) // block_bytes
         else:
             num_blocks = _CPU_DEFAULT_KV_BYTES // block_bytes

@@ -17,6 +17,7 @@ to fall back on. There is no forward pass either: calling the object raises.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -69,11 +70,27 @@ class AutoPagedModelForCausalLM:
 
         engine = LLMEngine(path, config, tokenizer=tokenizer)
         try:
-            skeleton = _meta_skeleton(path, engine.hf_config)
+            return cls.from_engine(engine)
         except BaseException:
             engine.close()
             raise
-        return PagedModelForCausalLM(engine, skeleton, path)
+
+    @classmethod
+    def from_engine(cls, engine) -> PagedModelForCausalLM:
+        """An HF-shaped front end on an engine built from a checkpoint directory (e.g.
+        ``LLM(path).engine``): both share the engine and its KV cache. Closing either closes it.
+
+        Raises:
+            ValueError: the engine serves an in-memory model (use its ``generate(backend="paged")``).
+        """
+        path = engine.runtime.model_path
+        if path is None:
+            raise ValueError(
+                "engine=<in-memory model> is not allowed: from_engine needs an engine built from "
+                "a checkpoint directory; call model.generate(..., backend='paged') instead"
+            )
+        _quiet_pipeline_model_check()
+        return PagedModelForCausalLM(engine, _meta_skeleton(path, engine.hf_config), path)
 
 
 def _meta_skeleton(path: str, hf_config):
@@ -89,6 +106,21 @@ def _meta_skeleton(path: str, hf_config):
         pass
     skeleton.config._name_or_path = path
     return skeleton.eval()
+
+
+class _DropPagedModelTypeError(logging.Filter):
+    """The text-generation pipeline logs an error for any model class outside HF's causal-LM
+    mapping; PagedModelForCausalLM is a causal LM, so that line would only mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "'PagedModelForCausalLM' is not supported" not in str(record.msg)
+
+
+def _quiet_pipeline_model_check() -> None:
+    """Attach the filter once; it drops only that message about this class."""
+    logger = logging.getLogger("transformers.pipelines.base")
+    if not any(isinstance(f, _DropPagedModelTypeError) for f in logger.filters):
+        logger.addFilter(_DropPagedModelTypeError())
 
 
 class PagedModelForCausalLM:

@@ -23,46 +23,59 @@ or ``from transformers import pipeline`` executed later) sees the wrapper.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import logging
 import os
+import sys
 import threading
 
 import torch
 import transformers
-import transformers.pipelines
 
-from hf_paged.integration import dispatch
+_first_transformers = sys.modules["transformers"]
+import transformers.pipelines  # noqa: E402, F401  (after the line above: see _modules)
+
+from hf_paged.integration import dispatch  # noqa: E402
 
 TASK = "text-generation"
 _lock = threading.Lock()
+
+
+def _modules() -> list:
+    """Every module object ``pipeline`` is looked up on. The first import of transformers'
+    processing_utils re-executes ``transformers/__init__`` into a new module object and puts it in
+    ``sys.modules`` (``direct_transformers_import``); code that imported transformers earlier
+    holds the old one, which caches ``pipeline`` once read."""
+    out = [sys.modules["transformers.pipelines"]]
+    for m in (_first_transformers, sys.modules.get("transformers")):
+        if m is not None and all(m is not o for o in out):
+            out.append(m)
+    return out
 
 
 def install_pipeline() -> None:
     """Put the wrapper on ``transformers.pipeline`` and ``transformers.pipelines.pipeline``.
     Idempotent."""
     with _lock:
-        current = transformers.pipelines.pipeline
+        current = sys.modules["transformers.pipelines"].pipeline
         original = getattr(current, "__hf_paged_original__", current)
         wrapper = current if original is not current else _make_wrapper(original)
-        transformers.pipelines.pipeline = wrapper
-        transformers.pipeline = wrapper
+        for module in _modules():
+            module.pipeline = wrapper
 
 
 def uninstall_pipeline() -> None:
     """Restore the original ``pipeline`` function objects."""
     with _lock:
-        for module in (transformers.pipelines, transformers):
-            current = module.__dict__.get("pipeline")
+        for module in _modules():
+            current = getattr(module, "pipeline", None)
             original = getattr(current, "__hf_paged_original__", None)
             if original is not None:
                 module.pipeline = original
 
 
 def is_pipeline_installed() -> bool:
-    current = transformers.pipelines.pipeline
+    current = sys.modules["transformers.pipelines"].pipeline
     return getattr(current, "__hf_paged_original__", None) is not None
 
 
@@ -127,8 +140,7 @@ def _build(original, bound, backend, paged_config):
         extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
     elif dispatch.is_installed():  # backend="hf": keep the pipeline stock whatever the default
         extra["backend"] = "hf"
-    with _quiet_model_type_check():
-        return original(*bound.args, **bound.kwargs)
+    return original(*bound.args, **bound.kwargs)
 
 
 def _is_engine_config(value) -> bool:
@@ -160,22 +172,3 @@ def _device_name(device) -> str:
     if isinstance(device, int) and not isinstance(device, bool):
         return "cpu" if device < 0 else f"cuda:{device}"
     return str(torch.device(device))
-
-
-class _DropPagedModelTypeError(logging.Filter):
-    """The text-generation pipeline logs an error for any model class not in HF's causal-LM
-    mapping; PagedModelForCausalLM is a causal LM, so that line would only mislead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "'PagedModelForCausalLM' is not supported" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_model_type_check():
-    logger = logging.getLogger("transformers.pipelines.base")
-    f = _DropPagedModelTypeError()
-    logger.addFilter(f)
-    try:
-        yield
-    finally:
-        logger.removeFilter(f)

@@ -62,6 +62,13 @@ def test_greedy_positional_input_without_mask(model):
     assert torch.equal(paged, stock)
 
 
+def test_no_input_starts_from_bos_and_return_dict_without_scores(model):
+    stock, paged, *_ = stock_and_paged(model, max_new_tokens=NEW, return_dict_in_generate=True)
+    assert type(paged) is type(stock)
+    assert torch.equal(paged.sequences, stock.sequences) and paged.sequences[0, 0] == 1
+    assert paged.scores is None and paged.logits is None and paged.cache is None
+
+
 @pytest.mark.parametrize(
     "eos_form", ["int", "list", "list_pad9"], ids=["eos_int", "eos_list", "eos_list_pad9"]
 )
@@ -187,7 +194,7 @@ def test_repetition_penalty_skips_left_pads(model):
 
 def test_scores_and_logits_allclose(model, batch):
     ids, mask = batch
-    ref = reference(model, ids, mask)
+    ref = reference(model, ids, mask, repetition_penalty=1.2)
     eos = eos_from(ref, ids.shape[1], [(0, 1), (3, 4)])
     stock, paged, *_ = stock_and_paged(
         model,
@@ -200,6 +207,7 @@ def test_scores_and_logits_allclose(model, batch):
         output_scores=True,
         output_logits=True,
     )
+    assert (stock.sequences[:, -1] == 0).any()  # some rows finished early and were padded
     assert type(paged) is type(stock)
     assert torch.equal(paged.sequences, stock.sequences)
     assert len(paged.scores) == len(stock.scores) == stock.sequences.shape[1] - ids.shape[1]

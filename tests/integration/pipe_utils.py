@@ -1,0 +1,92 @@
+"""Helpers for the pipeline / datasets / CLI / examples tests: a tiny checkpoint on disk with a
+tokenizer that decodes every id, stock references, and subprocess plumbing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from hf_paged.testing import save_tiny_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# small enough to build in milliseconds; 4-token blocks and 16-token steps exercise paging and
+# chunked prefill even on these short prompts
+SMALL_ENGINE = dict(
+    device="cpu", num_kv_blocks=96, kv_block_size=4, max_num_seqs=4, max_num_batched_tokens=16
+)
+GREEDY = dict(max_new_tokens=8, do_sample=False)
+PROMPTS = ["Hello, my name is", "ab", "The capital of France is", "def fib(n):", "x y z"]
+CHAT = [{"role": "user", "content": "Tell me a joke."}]
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer over all 256 ids of the tiny models (specials, printable
+    ASCII, then ``<xN>`` fillers) with a chat template, so every generated id shows in text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [chr(c) for c in range(32, 127)]
+    filler = [f"<x{i}>" for i in range(256 - len(specials) - len(chars))]
+    vocab = {t: i for i, t in enumerate(specials + chars + filler)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=(
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        ),
+    )
+
+
+def save_checkpoint(path: str, family: str = "llama", seed: int = 0) -> str:
+    """A tiny random checkpoint + tokenizer in ``path`` (llama seed 0 emits varied tokens)."""
+    save_tiny_model(family, path, seed=seed)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def stock_new_text(model, tokenizer, prompt, **generate_kwargs) -> str:
+    """What stock ``generate`` gives ``prompt`` alone: its new tokens, decoded."""
+    if isinstance(prompt, str):
+        enc = tokenizer(prompt, return_tensors="pt")
+    else:
+        enc = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+    with torch.no_grad():
+        out = model.generate(**enc, **generate_kwargs)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def start_python(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """``python ARGS`` from the repo root with the repo importable; read with ``finish``."""
+    full_env = {**os.environ, "PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env.pop("HF_PAGED_BACKEND", None)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    """``(returncode, stdout, stderr)``; kills the process on timeout."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out, err
