@@ -265,8 +265,10 @@ def _bench_hf(path: str, prompts, out_lens, batch_size: int, device: str, dtype)
             return input_ids.shape[1] >= self.ends
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # EOS ignored: unset on this private copy of the model too, or generate fills it back in
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
     gen = copy.deepcopy(model.generation_config)
-    gen.eos_token_id, gen.do_sample = None, False  # EOS ignored, greedy
+    gen.do_sample = False
     gen.pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else 0
 
     def run(ps, lens):
@@ -274,9 +276,11 @@ def _bench_hf(path: str, prompts, out_lens, batch_size: int, device: str, dtype)
         ids = torch.tensor([[gen.pad_token_id] * (width - len(p)) + p for p in ps], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
         ends = torch.tensor([width + n for n in lens], device=device)
+        call_gen = copy.copy(gen)
+        call_gen.max_new_tokens = max(lens)
         model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=gen,
-            max_new_tokens=max(lens), stopping_criteria=[RowLengths(ends)],
+            input_ids=ids, attention_mask=mask, generation_config=call_gen,
+            stopping_criteria=[RowLengths(ends)],
         )  # fmt: skip
 
     run(prompts[:1], [2])  # warm-up
@@ -385,7 +389,11 @@ def _print_bench(rows, total: int, n: int, device: str, dtype, as_json: bool) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-paged", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hf-paged",
+        description="Generate from the command line, run unmodified programs with generate on "
+        "the paged engine, benchmark against stock generate.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{generate,run,bench}")
 
     g = sub.add_parser("generate", help="generate for prompts, JSON lines on stdout")

@@ -267,14 +267,13 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
 
 
 class _Batch:
-    """The engine requests of one call. On an error every open one is closed and drained, so
+    """The engine requests of one call. On an error every open one is aborted and drained, so
     the engine stays usable."""
 
     def __init__(self, engine):
         self.engine = engine
         self.rids: list = []
         self.outputs: dict = {}  # request_id -> RequestOutput once the engine reported it
-        self.paused: set = set()  # external requests holding logits, waiting for a token
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams], external: bool):
         for prompt, p in zip(prompts, params, strict=True):
@@ -282,23 +281,14 @@ class _Batch:
 
     def step(self):
         res = self.engine.step()
-        self.paused.update(res.logits)
         for out in res.finished:
             self.outputs[out.request_id] = out
         return res
 
-    def provide(self, rid, token: int) -> None:
-        self.engine.provide_token(rid, token)
-        self.paused.discard(rid)
-
-    def close(self, rid, token: int = 0) -> None:
-        """End ``rid`` now. A paused request gets ``token`` first: it is then an ordinary
-        running sequence, which every engine state can abort."""
-        if rid in self.outputs:
-            return
-        if rid in self.paused:
-            self.provide(rid, token)
-        self.engine.abort(rid)
+    def close(self, rid) -> None:
+        """End ``rid`` now (paused or not); the engine reports it by a later step."""
+        if rid not in self.outputs:
+            self.engine.abort(rid)
 
     def drain(self) -> None:
         while any(r not in self.outputs for r in self.rids):
@@ -402,10 +392,10 @@ def _run_external(engine, call: PreparedCall):
             tokens = next_tokens.tolist()
             for i in list(open_rows):
                 if done or (has_eos and not feed_finished and not unfinished[i]):
-                    batch.close(batch.rids[i], tokens[i])  # later tokens are pad: stop it
+                    batch.close(batch.rids[i])  # its later tokens are pad: stop it
                     open_rows.remove(i)
                 else:
-                    batch.provide(batch.rids[i], tokens[i])
+                    engine.provide_token(batch.rids[i], tokens[i])
             if done:
                 break
         for rid in batch.rids:  # a criteria list without max_length: stop where stock would
