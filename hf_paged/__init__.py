@@ -5,6 +5,15 @@ Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``.
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
+from hf_paged.integration.dispatch import (
+    PagedFallbackWarning,
+    configure,
+    install,
+    set_default_backend,
+    uninstall,
+)
+
+install()  # inert until asked: backend="paged", set_default_backend or HF_PAGED_BACKEND
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
 from hf_paged.llm import LLM
 
@@ -17,4 +26,9 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "PagedFallbackWarning",
+    "configure",
+    "install",
+    "set_default_backend",
+    "uninstall",
 ]

@@ -46,8 +46,8 @@ class AutoPagedModelForCausalLM:
         Args:
             pretrained_model_name_or_path: a local checkpoint directory (config.json +
                 safetensors); nothing is downloaded.
-            tokenizer: overrides the tokenizer saved beside the checkpoint (used only for
-                ``.tokenizer`` and stop strings; callers tokenize themselves).
+            tokenizer: overrides the tokenizer saved beside the checkpoint as ``.tokenizer``
+                (``generate`` itself takes token ids, as stock's does).
             **engine_kwargs: ``EngineConfig`` keys (``max_num_seqs``, ``num_kv_blocks``,
                 ``tensor_parallel_size``, ``device``, ``dtype`` ...). ``dtype`` may also be a
                 ``torch.dtype``.

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from hf_paged.integration import dispatch
 from hf_paged.integration import generate as _generate
+from hf_paged.integration.sampling import native_plan
 
 
 def paged_generate_map(
@@ -154,28 +155,43 @@ class PagedGenerateMap:
         return dispatch.get_engine(self.model, self._paged_config)
 
     def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        prep = self._prep_model()
-        device = self.model.device
-        calls = [
-            _generate.prepare_call(
-                prep,
-                torch.tensor([p], device=device),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
-                **self.generate_kwargs,
-            )
-            for p in prompts
-        ]  # stock's per-row preparation: defaults, validation, processors, criteria
-        engine = self._engine()
-        plans = [_generate.native_plan(c, engine.runtime.vocab_size) for c in calls]
-        if any(p is None for p in plans):
-            return self._generate_padded(prompts)
-        for c in calls:
-            _generate.check_fits(c, engine, native=True)
+        try:
+            calls = [self._prepare(p) for p in prompts]
+            engine = self._engine()
+            # as generate_paged: a call that observes steps (streamer, scores) samples outside
+            plans = [
+                None if c.observed else native_plan(c, engine.runtime.vocab_size) for c in calls
+            ]
+            if any(p is None for p in plans):
+                return self._generate_padded(prompts)
+            for c in calls:
+                _generate.check_fits(c, engine, native=True)
+        except _generate.PagedFallback as fb:
+            raise NotImplementedError(
+                f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
+            ) from None
         seeds = [None] * len(plans)
         if any(p.temperature > 0 for p in plans):  # as generate(): seeds from torch's RNG
             seeds = torch.randint(0, 2**62, (len(plans),)).tolist()
         params = [p.sampling_params(s) for p, s in zip(plans, seeds, strict=True)]
         return _run_requests(engine, prompts, params, self.use_tqdm)
+
+    def _prepare(self, prompt: list[int]):
+        """Stock's preparation of ``generate`` for this row alone: defaults, validation,
+        processors, criteria (no model run)."""
+        device = self.model.device
+        call = _generate.prepare_call(
+            self._prep_model(),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            **self.generate_kwargs,
+        )
+        if call.input_ids.shape[0] != 1:
+            raise ValueError(
+                f"num_return_sequences={call.generation_config.num_return_sequences} is not "
+                "allowed: paged_generate_map writes one generation per row"
+            )
+        return call
 
     def _generate_padded(self, prompts: list[list[int]]) -> list[list[int]]:
         """One left-padded paged ``generate`` call for the whole map batch."""
@@ -187,6 +203,11 @@ class PagedGenerateMap:
         kwargs = dict(self.generate_kwargs)
         kwargs.setdefault("pad_token_id", pad)
         if not self._paged:
+            if not dispatch.is_installed():
+                raise RuntimeError(
+                    "these generate options need generate(backend='paged'): call "
+                    "hf_paged.install() first (import hf_paged does)"
+                )
             kwargs.update(backend="paged", paged_config=self._paged_config)
         device = self.model.device
         out = self.model.generate(

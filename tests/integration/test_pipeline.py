@@ -255,6 +255,18 @@ def test_datasets_map_bad_input(paged_pipe, stock_pipe):
         fn({"text": ["a"]})
     with pytest.raises(ValueError, match=r"prompt\[1\]=3 is not allowed"):
         fn({"prompt": ["a", 3]})
+    beams = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, num_beams=2, **GREEDY)
+    with pytest.raises(NotImplementedError, match="beam_search"):
+        beams({"prompt": ["a"]})
+    n2 = paged_generate_map(
+        paged_pipe.model,
+        stock_pipe.tokenizer,
+        num_return_sequences=2,
+        do_sample=True,
+        max_new_tokens=2,
+    )
+    with pytest.raises(ValueError, match="num_return_sequences=2 is not allowed"):
+        n2({"prompt": ["a"]})
     with pytest.raises(RuntimeError, match="num_proc"):
         pickle.loads(pickle.dumps(fn))
     with pytest.raises(ValueError, match="batch_size=0 is not allowed"):
