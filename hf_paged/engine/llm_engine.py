@@ -73,6 +73,7 @@ class LLMEngine:
         self._seq_to_req: dict[int, _Request] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._paused: dict[int, Sequence] = {}  # external seqs waiting for provide_token
+        self._maybe_done: set[int] = set()  # seq ids finished since the last collection
         self._closed = False
         from hf_paged.engine.executor import create_executor
 
@@ -153,7 +154,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self._paused.pop(seq.seq_id, None)
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -171,9 +172,9 @@ class LLMEngine:
         del self._paused[seq.seq_id]
         seq.append_token(int(token_id))
         if finish:
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         elif len(seq) >= self.runtime.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
         else:
             self.scheduler.running.append(seq)
 
@@ -256,18 +257,27 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         last = seq.last_token_id
         if seq.num_output_tokens >= params.min_tokens and last in self._stop_ids(params):
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.runtime.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._maybe_done.add(seq.seq_id)
 
     def _collect_finished(self, result: StepResult) -> None:
-        done = [r for r in self._requests.values() if all(s.is_finished for s in r.seqs)]
-        for req in done:
-            del self._requests[req.request_id]
-            for seq in req.seqs:
-                self._seq_to_req.pop(seq.seq_id, None)
-                self._generators.pop(seq.seq_id, None)
-            result.finished.append(self._request_output(req))
+        """Report requests whose last sequence finished (only those touched since last time)."""
+        for seq_id in self._maybe_done:
+            req = self._seq_to_req.get(seq_id)
+            if req is None or req.request_id not in self._requests:
+                continue
+            if all(s.is_finished for s in req.seqs):
+                del self._requests[req.request_id]
+                for seq in req.seqs:
+                    self._seq_to_req.pop(seq.seq_id, None)
+                    self._generators.pop(seq.seq_id, None)
+                result.finished.append(self._request_output(req))
+        self._maybe_done.clear()
 
     def _request_output(self, req: _Request) -> RequestOutput:
         outs = []

@@ -10,6 +10,7 @@ and execute what rank 0 ``call``s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,8 @@ class ModelRunner:
                 spec.hf_config, ModelContext(backend, self.comm)
             )
         load_weights(self.model, spec.model_source)
+        # drop the source: an in-memory HF model must not be kept alive by its engine
+        self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self._make_generator()) if rank == 0 else None

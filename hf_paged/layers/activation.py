@@ -1,15 +1,20 @@
-"""Gated activations applied to a fused [gate | up] projection."""
+"""Gated activations applied to a fused [gate | up] projection.
+
+On CUDA (with triton) one Triton launch (``hf_paged.kernels.fused_act``); elsewhere torch's ops.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hf_paged.kernels import fused_act
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where ``x = [gate | up]`` along the last dim: [T, 2I] -> [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if fused_act.supports(x):
+            return fused_act.silu_and_mul(x)
+        return fused_act.silu_and_mul_ref(x)

@@ -1,4 +1,8 @@
-"""RMSNorm with an optional fused residual add, numerically identical to HF's LlamaRMSNorm."""
+"""RMSNorm with an optional fused residual add, numerically identical to HF's LlamaRMSNorm.
+
+On CUDA (with triton) each call is one Triton launch (``hf_paged.kernels.fused_norm``); elsewhere
+it runs the torch references, which are HF's ops one for one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_paged.kernels import fused_norm
+from hf_paged.kernels.fused_norm import fused_add_rms_norm_ref, rms_norm_ref
 from hf_paged.layers.linear import check_shape, read_shard
 
 
@@ -28,19 +34,17 @@ class RMSNorm(nn.Module):
         check_shape(loaded, param.shape)
         param.data.copy_(read_shard(loaded))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = fused_norm.supports(x, self.weight, residual)
         if residual is None:
-            return self._norm(x)
-        h = x + residual
-        return self._norm(h), h
+            if fused:
+                return fused_norm.rms_norm(x, self.weight, self.eps)
+            return rms_norm_ref(x, self.weight, self.eps)
+        if fused:
+            return fused_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

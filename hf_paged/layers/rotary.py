@@ -23,9 +23,17 @@ depend on the batch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from hf_paged.kernels import fused_rope
+from hf_paged.kernels.fused_rope import rotary_emb_ref
+
+if TYPE_CHECKING:
+    from hf_paged.layers.layernorm import RMSNorm
 
 
 def rope_parameters(hf_config) -> dict:
@@ -120,8 +128,28 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, H, D] by ``cos``/``sin`` [T, D] (same ops as HF's apply_rotary_pos_emb)."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+    return rotary_emb_ref(x, cos, sin)
+
+
+def apply_rotary_emb_qk(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,
+    q_norm: RMSNorm | None = None,
+    k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_norm``/``k_norm`` per head (Qwen3; both or neither), then rotary, on q and k.
+
+    On CUDA (with triton) one Triton launch (``hf_paged.kernels.fused_rope``); elsewhere, or for
+    inputs the kernel does not take, the modules and :func:`apply_rotary_emb`, as HF does.
+    """
+    if q_norm is None:
+        q_w, k_w, eps, same_eps = None, None, 0.0, True
+    else:
+        q_w, k_w, eps, same_eps = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.eps == k_norm.eps
+    if same_eps and fused_rope.supports(q, k, cos, sin, q_w, k_w):
+        return fused_rope.qk_norm_rope(q, k, cos, sin, q_w, k_w, eps)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)

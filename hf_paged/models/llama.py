@@ -32,7 +32,7 @@ from hf_paged.layers.attention import Attention
 from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from hf_paged.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from hf_paged.layers.rotary import RotaryEmbedding, apply_rotary_emb_qk
 from hf_paged.models.context import ModelContext
 
 
@@ -106,9 +106,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()  # Qwen3: per-head RMSNorm
+        q, k = apply_rotary_emb_qk(q, k, cos, sin, *norms)  # one launch on CUDA
         o = self.attn(q, k, v, meta)  # [T, H * D]
         return self.o_proj(o)
 
