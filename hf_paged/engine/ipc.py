@@ -239,7 +239,10 @@ class WorkerGroup:
         if not failed:
             return None
         rank = failed[0]
-        code = st.procs[rank].exitcode
+        proc = st.procs[rank]
+        if rank in st.deaths and proc.exitcode is None:
+            proc.join(1.0)  # its sentinel fired: reap it so the exit code is known
+        code = proc.exitcode
         if code is None:
             detail = "raised an exception"
         else:

@@ -108,6 +108,17 @@ def _row_token_mask(
     return out[:, :v]
 
 
+def _needs_penalties(meta: SamplingMetadata) -> bool:
+    """Whether ``apply_penalties`` would change any row (decided on the host, no sync)."""
+    return any(
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or (len(out) < p.min_tokens and stop)
+        for p, out, stop in zip(meta.params, meta.output_token_ids, meta.stop_token_ids)
+    )
+
+
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition, frequency/presence penalties, then min_tokens masking. Out of place.
 
@@ -244,8 +255,12 @@ class Sampler(torch.nn.Module):
         b, v = logits.shape
         if len(meta.params) != b:
             raise ValueError(f"logits has {b} rows but SamplingMetadata has {len(meta.params)}")
+        params = meta.params
+        if all(p.greedy and p.logprobs is None for p in params) and not _needs_penalties(meta):
+            # casting is monotonic: argmax of the model's dtype equals argmax in fp32
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
         logits = apply_penalties(logits.float(), meta)  # [B, V] fp32
-        params, dev = meta.params, logits.device
+        dev = logits.device
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = logits.argmax(dim=-1) if len(sample_rows) < b else None  # [B] greedy
         if sample_rows:
