@@ -218,6 +218,7 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
             "num_preemptions": stats["num_preemptions"] - stats0["num_preemptions"],
             "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"]
             - stats0["prefix_cache_hit_tokens"],
+            "profile": stats.get("profile"),  # HF_PAGED_PROFILE=1: host/GPU split per step
             "attention_backend": type(
                 getattr(getattr(llm.engine.executor, "runner", None), "attn_backend", None)
             ).__name__,
@@ -226,6 +227,11 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
         llm.close()
         del llm
         free_memory(device)
+    if info["profile"]:
+        for name, row in info["profile"].items():
+            log(
+                f"{system} profile {name:>15}: {row['total_s']:7.3f} s, {row['mean_ms']:7.3f} ms x {row['calls']}"
+            )
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     return _result(system, wl, wall, outputs, **info)
 

@@ -28,6 +28,7 @@ from hf_paged.engine.outputs import (
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.sampler import SamplingMetadata
 
 
@@ -75,6 +76,7 @@ class LLMEngine:
         self._paused: dict[int, Sequence] = {}  # external seqs waiting for provide_token
         self._maybe_done: set[int] = set()  # seq ids finished since the last collection
         self._closed = False
+        self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.executor import create_executor
 
         self.executor = create_executor(self.runtime, model)
@@ -183,13 +185,15 @@ class LLMEngine:
     def step(self) -> StepResult:
         self._check_open()
         result = StepResult()
-        out = self.scheduler.schedule()
-        while out.is_empty and self._paused and self.scheduler.waiting:
-            self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
+        with self.profile.section("schedule"):
             out = self.scheduler.schedule()
-        if not out.is_empty:
-            self._run(out, result)
-        self._collect_finished(result)
+            while out.is_empty and self._paused and self.scheduler.waiting:
+                self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
+                out = self.scheduler.schedule()
+        with self.profile.section("step_total"):
+            if not out.is_empty:
+                self._run(out, result)
+            self._collect_finished(result)
         return result
 
     def _preempt_paused(self) -> None:
@@ -303,7 +307,17 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
+            **self._profile_stats(),
         }
+
+    def _profile_stats(self) -> dict:
+        if not self.profile.enabled:
+            return {}
+        prof = self.profile.summary()
+        runner = getattr(self.executor, "runner", None)
+        if runner is not None:
+            prof.update(runner.profile.summary())
+        return {"profile": prof}
 
     def _check_open(self) -> None:
         if self._closed:

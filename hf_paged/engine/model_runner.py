@@ -20,6 +20,7 @@ from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
+from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.context import ModelContext
@@ -75,6 +76,7 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self._make_generator()) if rank == 0 else None
+        self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
 
         self.warmup_model()
         self.num_kv_blocks = self.allocate_kv_cache()
@@ -277,9 +279,12 @@ class ModelRunner:
     ) -> RunnerOutput | None:
         """One engine step. Rank 0 samples the rows not in ``external_rows`` (indices among
         the chunks with ``sample=True``) and returns the external rows' raw logits."""
-        prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
-        input_ids, positions, meta, logits_idx = prepare(inp)
-        logits = self.run_model(input_ids, positions, meta, logits_idx)
+        prof = self.profile
+        with prof.section("prepare"):
+            prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
+            input_ids, positions, meta, logits_idx = prepare(inp)
+        with prof.section("forward_launch"):
+            logits = self.run_model(input_ids, positions, meta, logits_idx)
         if self.rank != 0 or logits is None:
             return None
         num_rows = logits.shape[0]
@@ -288,8 +293,11 @@ class ModelRunner:
         out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
         if internal:
             rows = logits if not external else logits[internal]
-            result = self.sampler(rows, sampling)
-            for i, tok in zip(internal, result.token_ids.tolist()):
+            with prof.section("sample_launch"):
+                result = self.sampler(rows, sampling)
+            with prof.section("wait_gpu"):  # the step's only host sync
+                tokens = result.token_ids.tolist()
+            for i, tok in zip(internal, tokens):
                 out.sampled_token_ids[i] = tok
             if result.logprobs is not None:
                 out.logprobs = [None] * num_rows

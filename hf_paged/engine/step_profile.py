@@ -1,0 +1,41 @@
+"""Opt-in host-side timing of engine steps (``HF_PAGED_PROFILE=1``).
+
+Sections are wall-clock spans on the host. ``wait`` is the time rank 0 blocks on the GPU for
+the sampled tokens, so ``wait`` ~ GPU time not hidden behind host work, and the other sections
+are host overhead per step. Off by default: then ``section`` costs one attribute check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+
+
+class StepProfile:
+    def __init__(self, enabled: bool | None = None):
+        if enabled is None:
+            enabled = os.environ.get("HF_PAGED_PROFILE", "") not in ("", "0")
+        self.enabled = enabled
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+            self.counts[name] += 1
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{section: {"total_s", "calls", "mean_ms"}}."""
+        return {
+            k: {"total_s": v, "calls": self.counts[k], "mean_ms": 1e3 * v / self.counts[k]}
+            for k, v in self.seconds.items()
+        }
