@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_paged.kernels import fused_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -37,6 +39,8 @@ def _problem(x: torch.Tensor) -> str | None:
 
 def supports(x: torch.Tensor) -> bool:
     """Whether to dispatch to the Triton kernel: triton installed, a CUDA tensor it takes."""
+    if not fused_enabled():
+        return False
     return triton is not None and x.is_cuda and _problem(x) is None
 
 

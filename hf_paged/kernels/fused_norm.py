@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.kernels import fused_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -57,6 +59,8 @@ def _problem(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
 
 def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether to dispatch to the Triton kernels: triton installed, CUDA tensors they take."""
+    if not fused_enabled():
+        return False
     return (
         triton is not None
         and x.is_cuda

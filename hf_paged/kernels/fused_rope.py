@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.kernels import fused_enabled
 from hf_paged.kernels.fused_norm import rms_norm_ref
 
 try:
@@ -80,7 +81,7 @@ def supports(
     k_weight: torch.Tensor | None = None,
 ) -> bool:
     """Whether to dispatch to the Triton kernel: triton installed, CUDA inputs it takes."""
-    if triton is None or not q.is_cuda:
+    if triton is None or not q.is_cuda or not fused_enabled():
         return False
     return _problem(q, k, cos, sin, q_weight, k_weight) is None
 
