@@ -207,7 +207,8 @@ def environment() -> dict:
         triton_version = None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "git_sha": _git("rev-parse", "HEAD"),
+        # the device copy of the tree has no .git: pass HF_PAGED_GIT_SHA=<sha> in the command
+        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("HF_PAGED_GIT_SHA"),
         "git_dirty": None if status is None else bool(status),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
