@@ -10,19 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-
-
-def store_kv(
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
-) -> None:
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+from hf_paged.kernels.kv_store import store_kvcache_ref
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -59,7 +47,7 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
         ctx = meta.context_lens_cpu or meta.context_lens.tolist()
         out = torch.empty_like(q)

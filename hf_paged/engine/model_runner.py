@@ -9,7 +9,6 @@ and execute what rank 0 ``call``s.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from hf_paged.layers.attention import Attention
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.context import ModelContext
 from hf_paged.models.loader import load_weights
-from hf_paged.models.registry import get_model_class
+from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 
@@ -42,16 +41,6 @@ class RunnerSpec:
     max_model_len: int
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 class ModelRunner:
     def __init__(self, spec: RunnerSpec, rank: int = 0, comm: Communicator | None = None):
         self.spec = spec
@@ -66,10 +55,8 @@ class ModelRunner:
 
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
-        with _default_dtype(self.dtype), self.device:
-            self.model = get_model_class(spec.hf_config)(
-                spec.hf_config, ModelContext(backend, self.comm)
-            )
+        ctx = ModelContext(backend, self.comm)
+        self.model = build_model(spec.hf_config, ctx, self.dtype, self.device)
         load_weights(self.model, spec.model_source)
         # drop the source: an in-memory HF model must not be kept alive by its engine
         self.spec = spec = dataclasses.replace(spec, model_source=None)

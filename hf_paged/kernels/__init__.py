@@ -5,7 +5,6 @@ layers run their torch reference code on CUDA too (for A/B measurements and bise
 
 import os
 
-
 _FUSED = os.environ.get("HF_PAGED_FUSED", "1") != "0"  # read once, at import
 
 

@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged.integration.dispatch import PagedFallbackWarning
+from hf_paged.testing import build_char_tokenizer
 
 PAD = 0  # tiny_config: pad 0, bos 1, eos 2, vocab 256
 # small enough to build fast, large enough for every batch in these tests; 32 tokens per step
@@ -41,25 +42,8 @@ def right_pad(prompts, pad: int = PAD):
 
 
 def build_tokenizer():
-    """A fast tokenizer over exactly 256 ids: specials, printable ASCII characters, then filler
-    tokens ``<xN>`` (so every id the tiny models emit decodes)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 127)]
-    filler = [f"<x{i}>" for i in range(256 - len(specials) - len(chars))]
-    vocab = {t: i for i, t in enumerate(specials + chars + filler)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-    )
+    """The char tokenizer padded to the tiny models' 256 ids (every emitted id decodes)."""
+    return build_char_tokenizer(256)
 
 
 class RecordingProcessor(LogitsProcessor):

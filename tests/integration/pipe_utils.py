@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from hf_paged.testing import save_tiny_model
+from hf_paged.testing import build_char_tokenizer, save_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # small enough to build in milliseconds; 4-token blocks and 16-token steps exercise paging and
@@ -23,29 +23,8 @@ CHAT = [{"role": "user", "content": "Tell me a joke."}]
 
 
 def build_tokenizer():
-    """A character-level fast tokenizer over all 256 ids of the tiny models (specials, printable
-    ASCII, then ``<xN>`` fillers) with a chat template, so every generated id shows in text."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 127)]
-    filler = [f"<x{i}>" for i in range(256 - len(specials) - len(chars))]
-    vocab = {t: i for i, t in enumerate(specials + chars + filler)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        chat_template=(
-            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}"
-        ),
-    )
+    """The char tokenizer padded to the tiny models' 256 ids (every emitted id decodes)."""
+    return build_char_tokenizer(256)
 
 
 def save_checkpoint(path: str, family: str = "llama", seed: int = 0) -> str:
