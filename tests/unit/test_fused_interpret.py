@@ -11,16 +11,13 @@ fp16 casts round to nearest here, which checks that the kernels round where torc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.interpret_utils import run_interpreter_cases
+
 # max |out - ref| / max |ref|: fp32 differs only in summation order / exp; fp16 by <= 1 ulp, and
 # in fp16 nearly every element must be bit-equal (see _rel_err)
 TOL = {"fp32": 1e-5, "fp16": 1e-3}
@@ -253,16 +250,7 @@ for _dt in ("fp32", "fp16"):
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_cases(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -9,16 +9,13 @@ here just read that table. Numerics of fp16/bf16 and speed are checked on the GP
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.interpret_utils import run_interpreter_cases
+
 TOL = 1e-4  # fp32 everywhere (the interpreter's dot is a numpy fp32 matmul)
 
 # (q_len, context_len) per sequence: single tokens, exact block boundaries (16, 32) and one past
@@ -215,16 +212,7 @@ for _w in (None, 5, 33):
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_cases(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
