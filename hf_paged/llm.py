@@ -75,6 +75,11 @@ class LLM:
                     f"sampling_params has {len(params)} entries but there are {len(prompts)} "
                     "prompts: give one SamplingParams or one per prompt"
                 )
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(
+                    f"sampling_params[{i}]={sp!r} is not allowed: must be a SamplingParams"
+                )
         encoded = [self._encode(p) for p in prompts]  # validate everything before queueing
         ids_in_order = []
         try:

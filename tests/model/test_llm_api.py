@@ -107,6 +107,9 @@ def test_strings_need_tokenizer(tmp_path):
 def test_params_list_length(llm):
     with pytest.raises(ValueError, match="sampling_params has 1 entries but there are 2"):
         llm.generate([[3], [4]], [GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params\[1\]='bad'"):
+        llm.generate([[3], [4]], [GREEDY, "bad"], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing was queued
     still_works(llm)
 
 
