@@ -64,6 +64,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self._make_generator()) if rank == 0 else None
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
+        self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
 
         self.warmup_model()
         self.num_kv_blocks = self.allocate_kv_cache()
@@ -198,7 +199,7 @@ class ModelRunner:
         t = len(input_ids)
         # one host buffer, one copy: [input_ids | positions | slots | logits_idx]
         host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
-        dev = self._to_device(host)
+        dev = self._to_device(host, "inputs")
         meta = self._metadata(inp, cu, ctx, dev[2 * t : 3 * t], is_decode=False)
         return dev[:t], dev[t : 2 * t], meta, dev[3 * t :]
 
@@ -213,15 +214,31 @@ class ModelRunner:
         host[1] = pos
         host[2] = [c.block_table[p // bs] for c, p in zip(chunks, pos)]
         host[2] = host[2] * bs + host[1] % bs
-        dev = self._to_device(host)
+        dev = self._to_device(host, "inputs")
         ctx = (host[1] + 1).tolist()
         meta = self._metadata(inp, list(range(n + 1)), ctx, dev[2], is_decode=True)
         logits_idx = torch.arange(n, dtype=torch.int64, device=self.device)
         return dev[0], dev[1], meta, logits_idx
 
-    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+    def _to_device(self, host: np.ndarray, slot: str) -> torch.Tensor:
+        """``host`` on the device. On CUDA it is staged through a pinned buffer reused per
+        ``slot``, so the copy is an asynchronous DMA; the buffer's last copy is waited for
+        before it is overwritten (a worker rank's host can run ahead of its stream)."""
         t = torch.from_numpy(host)
-        return t.to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        if self.device.type != "cuda":
+            return t
+        buf, done = self._pinned.get(slot, (None, None))
+        if buf is None or buf.numel() < t.numel() * t.element_size():
+            buf = torch.empty(max(4096, 2 * t.numel() * t.element_size()), dtype=torch.uint8)
+            buf, done = buf.pin_memory(), torch.cuda.Event()
+        else:
+            done.synchronize()
+        staged = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(self.device, non_blocking=True)
+        done.record()
+        self._pinned[slot] = (buf, done)
+        return out
 
     def _metadata(self, inp, cu, ctx, slot_mapping, is_decode: bool) -> AttentionMetadata:
         chunks = inp.chunks
@@ -234,7 +251,7 @@ class ModelRunner:
             tables[i, : len(c.block_table)] = c.block_table
         host[n * mb : n * mb + n] = ctx
         host[n * mb + n :] = cu
-        dev = self._to_device(host)
+        dev = self._to_device(host, "meta")
         return AttentionMetadata(
             is_decode=is_decode,
             num_seqs=n,
