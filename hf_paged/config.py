@@ -70,6 +70,9 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prefixes across requests.
         seed: seed of the engine's generator for requests without their own seed.
         attention_backend: None = chosen by capability; else a registered name ("torch", ...).
+        async_scheduling: schedule and launch step n+1 before step n's tokens reach the host
+            (one rank only; requests with penalties, logprobs or external sampling step
+            synchronously). See ``engine/overlap.py``.
     """
 
     max_num_seqs: int = 256
@@ -86,6 +89,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -99,6 +103,14 @@ class EngineConfig:
         _check_int("seed", self.seed)
         if not isinstance(self.enforce_eager, bool):
             raise _bad("enforce_eager", self.enforce_eager, "a bool")
+        if not isinstance(self.async_scheduling, bool):
+            raise _bad("async_scheduling", self.async_scheduling, "a bool")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise _bad(
+                "async_scheduling",
+                True,
+                f"False with tensor_parallel_size={self.tensor_parallel_size}",
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise _bad("enable_prefix_caching", self.enable_prefix_caching, "a bool")
         if self.dtype not in _DTYPES:

@@ -33,6 +33,9 @@ class LocalExecutor:
     def run(self, inp: ModelInput, sampling, external_rows) -> RunnerOutput:
         return self.runner.run(inp, sampling, external_rows)
 
+    def run_async(self, inp: ModelInput, sampling, prev, prev_rows):
+        return self.runner.run_async(inp, sampling, prev, prev_rows)
+
     def close(self) -> None:
         self.runner.exit()
 

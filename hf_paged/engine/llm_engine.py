@@ -25,6 +25,7 @@ from hf_paged.engine.outputs import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from hf_paged.engine.overlap import OverlapStepper, overlap_eligible
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
@@ -48,6 +49,7 @@ class _Request:
     seqs: list[Sequence]
     external: bool
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
+    sync_only: bool = False  # overlapped stepping cannot serve it
 
 
 class LLMEngine:
@@ -75,6 +77,7 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}
         self._paused: dict[int, Sequence] = {}  # external seqs waiting for provide_token
         self._maybe_done: set[int] = set()  # seq ids finished since the last collection
+        self._num_sync_requests = 0  # requests that overlapped stepping cannot serve
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.executor import create_executor
@@ -84,6 +87,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runtime.num_kv_blocks, self.config.kv_block_size, self.config.enable_prefix_caching
         )
+        self._overlap = OverlapStepper(self) if self.config.async_scheduling else None
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,
@@ -139,6 +143,8 @@ class LLMEngine:
         seqs = [Sequence(ids, params, request_id=rid) for _ in range(params.n)]
         req = _Request(rid, prompt, ids, params, seqs, external_sampling)
         self._requests[rid] = req
+        req.sync_only = not overlap_eligible(params, external_sampling)
+        self._num_sync_requests += req.sync_only
         for i, seq in enumerate(seqs):
             self._seq_to_req[seq.seq_id] = req
             if params.seed is not None:
@@ -185,13 +191,21 @@ class LLMEngine:
     def step(self) -> StepResult:
         self._check_open()
         result = StepResult()
+        overlap = self._overlap is not None and not self._num_sync_requests
+        if self._overlap is not None and not overlap:
+            self._overlap.drain()  # a synchronous step needs every token on the host
         with self.profile.section("schedule"):
             out = self.scheduler.schedule()
             while out.is_empty and self._paused and self.scheduler.waiting:
                 self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
-            if not out.is_empty:
+            if out.is_empty:
+                if self._overlap is not None:
+                    self._overlap.drain()
+            elif overlap:
+                self._overlap.launch(out)
+            else:
                 self._run(out, result)
             self._collect_finished(result)
         return result
@@ -271,17 +285,24 @@ class LLMEngine:
 
     def _collect_finished(self, result: StepResult) -> None:
         """Report requests whose last sequence finished (only those touched since last time)."""
+        later = set()  # finished, but a token of theirs is still on the device
         for seq_id in self._maybe_done:
             req = self._seq_to_req.get(seq_id)
             if req is None or req.request_id not in self._requests:
                 continue
             if all(s.is_finished for s in req.seqs):
+                if self._overlap is not None and not all(
+                    self._overlap.ready(s.seq_id) for s in req.seqs
+                ):
+                    later.add(seq_id)
+                    continue
                 del self._requests[req.request_id]
+                self._num_sync_requests -= req.sync_only
                 for seq in req.seqs:
                     self._seq_to_req.pop(seq.seq_id, None)
                     self._generators.pop(seq.seq_id, None)
                 result.finished.append(self._request_output(req))
-        self._maybe_done.clear()
+        self._maybe_done = later
 
     def _request_output(self, req: _Request) -> RequestOutput:
         outs = []
@@ -307,6 +328,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
+            "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
             **self._profile_stats(),
         }
 

@@ -41,6 +41,26 @@ class RunnerSpec:
     max_model_len: int
 
 
+class PendingTokens:
+    """Sampled token ids still on the device; ``wait`` brings them to the host. On CUDA the
+    copy to pinned memory starts at once and an event marks its end."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens  # [B] int64 on the device (next step's inputs are gathered here)
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = tokens, None
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     def __init__(self, spec: RunnerSpec, rank: int = 0, comm: Communicator | None = None):
         self.spec = spec
@@ -313,6 +333,31 @@ class ModelRunner:
             for j, i in enumerate(external_rows):
                 out.logits[i] = ext_logits[j]
         return out
+
+    def run_async(
+        self,
+        inp: ModelInput,
+        sampling: SamplingMetadata | None,
+        prev: PendingTokens | None = None,
+        prev_rows: list[int] | None = None,
+    ) -> PendingTokens:
+        """Rank 0, one rank: like ``run`` for internally sampled rows, without waiting for the
+        tokens. A chunk whose ``prev_rows`` entry is r >= 0 is one placeholder token whose value
+        is row r of ``prev``'s sampled tokens, taken on the device."""
+        prof = self.profile
+        with prof.section("prepare"):
+            prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
+            input_ids, positions, meta, logits_idx = prepare(inp)
+            if prev is not None and prev_rows is not None:
+                cu = meta.cu_seqlens_q_cpu
+                pairs = [(cu[i], r) for i, r in enumerate(prev_rows) if r >= 0]
+                if pairs:
+                    idx = self._to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
+                    input_ids[idx[0]] = prev.tokens[idx[1]]
+        with prof.section("forward_launch"):
+            logits = self.run_model(input_ids, positions, meta, logits_idx)
+        with prof.section("sample_launch"):
+            return PendingTokens(self.sampler(logits, sampling).token_ids)
 
     # ---- lifecycle / IPC ----------------------------------------------------------------
 

@@ -107,13 +107,17 @@ class Scheduler:
             token_budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+    def update(
+        self, out: SchedulerOutput, sampled: list[int | None], cache_blocks: bool = True
+    ) -> None:
         """Advance the sequences of a finished step and append their sampled tokens.
 
         Args:
             out: what ``schedule`` returned for the step.
             sampled: per ``out.seqs[i]``, the sampled token, or None when its chunk did not reach
                 the end of its known tokens. Sequences finished since ``schedule`` are skipped.
+            cache_blocks: register newly full blocks in the prefix cache now; False when token
+                values are still placeholders (overlapped stepping registers them later).
 
         Raises:
             ValueError: ``sampled`` has the wrong length, or a token for an unfinished chunk.
@@ -124,7 +128,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            if cache_blocks:
+                self.block_manager.cache_full_blocks(seq)
             if token_id is not None:
                 if seq.num_computed_tokens != len(seq):
                     raise ValueError(f"token sampled for {seq!r} before its prefill ended")
