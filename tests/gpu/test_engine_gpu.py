@@ -72,3 +72,11 @@ def test_graph_replay_equals_eager_bf16(model_path):
     assert graphs
     same = sum(a == b for a, b in zip(eager, graph))
     assert same >= len(ps) - 1, f"only {same}/{len(ps)} sequences identical"
+
+
+def test_fp32_parity_async_scheduling(model_path):
+    """Overlapped stepping on CUDA: pinned token copies, events, on-device input gathering."""
+    ps = prompts(12, seed=3)
+    got, graphs = ours(model_path, ps, dtype="float32", async_scheduling=True)
+    assert graphs
+    assert got == hf_tokens(model_path, ps, torch.float32)
