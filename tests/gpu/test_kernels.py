@@ -66,7 +66,7 @@ def test_store_kvcache_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_paged_decode_dtypes_and_groups(dtype, head_dim, group):
     from hf_paged.kernels.paged_decode import paged_decode, paged_decode_ref
 
@@ -94,7 +94,7 @@ def test_paged_decode_window_and_block_size(window, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_paged_prefill_dtypes_and_groups(dtype, head_dim, group):
     from hf_paged.kernels.paged_prefill import paged_prefill, paged_prefill_ref
 

@@ -190,7 +190,7 @@ CASES = {
     "decode_padding_rows": (case_decode_padding, ()),
     "backend_prefill_then_decode": (case_backend, ()),
 }
-for _g in (1, 2, 4):
+for _g in (1, 2, 4, 8):
     for _p in (1, 4):
         CASES[f"decode_g{_g}_p{_p}"] = (case_decode, (_g, _p))
     CASES[f"prefill_g{_g}"] = (case_prefill, (_g,))
