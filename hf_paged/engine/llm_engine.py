@@ -11,6 +11,7 @@ stopped by the engine (except at ``max_model_len``). When its next-token logits 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -106,11 +107,16 @@ class LLMEngine:
             raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
         vocab = self.runtime.vocab_size
         for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            try:  # ints, numpy ints and integer 0-d tensors; not bools, floats or strings
+                ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab
+            except TypeError:
+                ok = False
+            if not ok:
                 raise ValueError(
                     f"prompt_token_ids[{pos}]={t!r} is not allowed: token ids must be ints in "
                     f"[0, {vocab}) (the model's vocab_size)"
                 )
+            ids[pos] = operator.index(t)
         limit = self.runtime.max_model_len
         if len(ids) >= limit:
             raise ValueError(

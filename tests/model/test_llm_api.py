@@ -34,6 +34,8 @@ def still_works(llm):
         ([], r"prompt_token_ids=\[\] .* at least 1 token"),
         ([5, 99999], r"prompt_token_ids\[1\]=99999 .* \[0, 99\)"),
         ([5, -1], r"prompt_token_ids\[1\]=-1"),
+        ([5, 2.0], r"prompt_token_ids\[1\]=2.0"),
+        ([5, True], r"prompt_token_ids\[1\]=True"),
     ],
 )
 def test_bad_prompt(llm, prompt, match):
@@ -102,6 +104,14 @@ def test_strings_need_tokenizer(tmp_path):
         assert len(llm.generate([[3, 4]], GREEDY, use_tqdm=False)[0].token_ids) == 8
     with LLM(path, tokenizer=build_char_tokenizer(), num_kv_blocks=32, kv_block_size=8) as llm:
         assert isinstance(llm.generate("hi", GREEDY, use_tqdm=False)[0].text, str)
+
+
+def test_numpy_and_tensor_prompts(llm):
+    import numpy as np
+
+    ref = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == ref
 
 
 def test_params_list_length(llm):
