@@ -32,3 +32,18 @@ def run_interpreter_cases(script: str, timeout: float) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interpret_main(cases: dict) -> None:
+    """The child side: run every ``{name: (fn, args)}`` case, print ``{name: float or
+    traceback}`` as JSON (one failing case does not hide the others)."""
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for name, (fn, args) in cases.items():
+        try:
+            results[name] = float(fn(*args))
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))

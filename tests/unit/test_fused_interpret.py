@@ -11,12 +11,9 @@ fp16 casts round to nearest here, which checks that the kernels round where torc
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from tests.unit.interpret_utils import run_interpreter_cases
+from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
 
 # max |out - ref| / max |ref|: fp32 differs only in summation order / exp; fp16 by <= 1 ulp, and
 # in fp16 nearly every element must be bit-equal (see _rel_err)
@@ -260,18 +257,5 @@ def test_fused_kernel_matches_reference(interpreter_results, case):
     assert result < TOL[case.split("_")[0]], f"{case}: relative error {result}"
 
 
-def _run_all() -> dict:
-    import traceback
-
-    results = {}
-    for name, (fn, args) in CASES.items():
-        try:
-            results[name] = float(fn(*args))
-        except Exception:  # reported per case, so one failure does not hide the others
-            results[name] = traceback.format_exc()
-    return results
-
-
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_all()))
+    interpret_main(CASES)

@@ -9,12 +9,9 @@ here just read that table. Numerics of fp16/bf16 and speed are checked on the GP
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from tests.unit.interpret_utils import run_interpreter_cases
+from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
 
 TOL = 1e-4  # fp32 everywhere (the interpreter's dot is a numpy fp32 matmul)
 
@@ -222,18 +219,5 @@ def test_kernel_matches_reference(interpreter_results, case):
     assert result < TOL, f"{case}: max abs error {result}"
 
 
-def _run_all() -> dict:
-    import traceback
-
-    results = {}
-    for name, (fn, args) in CASES.items():
-        try:
-            results[name] = float(fn(*args))
-        except Exception:  # reported per case, so one failure does not hide the others
-            results[name] = traceback.format_exc()
-    return results
-
-
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_all()))
+    interpret_main(CASES)
