@@ -22,6 +22,8 @@ VARIANTS = {
                                                         "rope_theta": 10000.0}}),
     "mistral_window": ("mistral", {"sliding_window": 12}),
     "qwen2_bias_mqa": ("qwen2", {"num_key_value_heads": 1}),
+    "qwen2_sliding_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 10,
+                                       "max_window_layers": 1}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
 }  # fmt: skip
 
@@ -99,3 +101,21 @@ def test_prefix_caching(variant):
     off, _ = paged_greedy(path, prompts, enable_prefix_caching=False, max_num_seqs=4)
     assert stats["prefix_cache_hit_tokens"] > 0
     assert on == off == hf_greedy(hf, prompts)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_block_boundaries_and_repeated_prompts(variant, block_size):
+    """Prompt lengths at block edges; identical prompts (whole-prompt cache hits, capped so at
+    least one token is computed); a second pass over the same prompts hits the cache again."""
+    path, hf = variant
+    base = [3 + (i * 37) % 250 for i in range(4 * block_size + 1)]
+    lengths = [1, block_size - 1, block_size, block_size + 1, 2 * block_size, 4 * block_size + 1]
+    prompts = [base[:n] for n in lengths] * 2  # every prompt twice
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    with LLM(path, max_model_len=MAX_LEN, kv_block_size=block_size, num_kv_blocks=512,
+             max_num_seqs=3) as llm:  # fmt: skip
+        first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats["prefix_cache_hit_tokens"] > 0
+    ref = hf_greedy(hf, prompts[: len(lengths)])
+    assert first == second == ref + ref
