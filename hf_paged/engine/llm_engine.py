@@ -51,6 +51,7 @@ class _Request:
     external: bool
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
     sync_only: bool = False  # overlapped stepping cannot serve it
+    stop_ids: tuple[int, ...] = ()  # ids that end it: EOS (unless ignore_eos) + stop_token_ids
 
 
 class LLMEngine:
@@ -150,6 +151,8 @@ class LLMEngine:
         req = _Request(rid, prompt, ids, params, seqs, external_sampling)
         self._requests[rid] = req
         req.sync_only = not overlap_eligible(params, external_sampling)
+        eos = () if params.ignore_eos else self.runtime.eos_token_ids
+        req.stop_ids = tuple(eos) + params.stop_token_ids  # once, not per step
         self._num_sync_requests += req.sync_only
         for i, seq in enumerate(seqs):
             self._seq_to_req[seq.seq_id] = req
@@ -259,9 +262,8 @@ class LLMEngine:
                 req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
             self._check_stop(seq, req.params)
 
-    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        eos = () if params.ignore_eos else self.runtime.eos_token_ids
-        return tuple(eos) + params.stop_token_ids
+    def stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        return self._seq_to_req[seq.seq_id].stop_ids
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]
@@ -274,13 +276,13 @@ class LLMEngine:
             params=params,
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if history else [] for s in seqs],
             output_token_ids=[s.output_token_ids if history else [] for s in seqs],
-            stop_token_ids=[self._stop_ids(p) for p in params],
+            stop_token_ids=[self.stop_ids(s) for s in seqs],
             generators=[self._generators.get(s.seq_id) for s in seqs],
         )
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         last = seq.last_token_id
-        if seq.num_output_tokens >= params.min_tokens and last in self._stop_ids(params):
+        if seq.num_output_tokens >= params.min_tokens and last in self.stop_ids(seq):
             self._finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.runtime.max_model_len:
             self._finish(seq, "length")

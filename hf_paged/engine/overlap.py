@@ -113,7 +113,7 @@ class OverlapStepper:
             seq.token_ids[pos] = tok
             params = seq.sampling_params
             stopped = pos + 1 - seq.num_prompt_tokens >= params.min_tokens and (
-                tok in eng._stop_ids(params)
+                tok in eng.stop_ids(seq)
             )
             if seq.is_finished:
                 if stopped and seq.finish_reason == "length" and pos == len(seq) - 1:
