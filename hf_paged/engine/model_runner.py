@@ -2,9 +2,9 @@
 runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, samples.
 
 Construction, in order (the seed's contract): process group -> model + weights on the rank's
-device -> ``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph`` ->
-worker IPC. Rank 0 lives in the engine's process; ranks 1..N-1 run ``loop`` in worker processes
-and execute what rank 0 ``call``s.
+device -> ``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``.
+Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
+(``ipc.WorkerGroup``) dispatches what rank 0 broadcasts, by method name, to their runner.
 """
 
 from __future__ import annotations
@@ -360,11 +360,6 @@ class ModelRunner:
             return PendingTokens(self.sampler(logits, sampling).token_ids)
 
     # ---- lifecycle / IPC ----------------------------------------------------------------
-
-    def call(self, method: str, *args, **rank0_kwargs):
-        """Run ``method`` on every rank. Workers get ``args`` only; ``rank0_kwargs`` (sampling
-        state) stay on rank 0."""
-        return getattr(self, method)(*args, **rank0_kwargs)
 
     def exit(self) -> None:
         if self.graph_runner is not None:
