@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--out-dir", default="/tmp/hf_paged_profile")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = p.parse_args()
@@ -43,7 +45,12 @@ def main() -> None:
     if args.smoke:
         args.batch, args.prompt_len = min(args.batch, 8), min(args.prompt_len, 16)
     model = build_random_model(arch, device, dtype)
-    llm = LLM(model, max_model_len=args.prompt_len + 256, enforce_eager=args.enforce_eager)
+    llm = LLM(
+        model,
+        max_model_len=args.prompt_len + 256,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
+    )
     eng = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):
@@ -56,6 +63,14 @@ def main() -> None:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    log(f"unprofiled: {1e3 * (time.perf_counter() - t0) / args.steps:.2f} ms per decode step")
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.steps):
             eng.step()
