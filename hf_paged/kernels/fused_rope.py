@@ -9,7 +9,8 @@ Numerics follow the torch path (:func:`qk_norm_rope_ref`: ``rms_norm_ref`` then
 ``rotary_emb_ref``, HF's ops): the norm's statistics are fp32 and its output rounds to the
 activation dtype; then ``x * cos`` and ``rotate_half(x) * sin`` each round to the activation
 dtype before they are added, as torch's bf16/fp16 ops do (products of two bf16/fp16 values are
-exact in fp32). Only the fp32 sum of squares may differ in summation order.
+exact in fp32). Only the fp32 sum of squares may differ in summation order. The launch turns
+off FP fusion, else the compiler contracts ``round(a * b) + c`` into one bf16 FMA.
 """
 
 from __future__ import annotations
@@ -231,5 +232,8 @@ def qk_norm_rope(
         num_heads, num_kv_heads, num_q_blocks, eps,
         HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=4,
+        # no FMA contraction: it would fuse a rounded product into the add (fma.rn.bf16) and
+        # skip the rounding torch does there (checked in the PTX for sm_90)
+        enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out

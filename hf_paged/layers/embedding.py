@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
+from hf_paged.kernels.skinny_gemm import linear
 from hf_paged.layers.linear import check_shape, read_shard
 
 
@@ -76,7 +77,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden]
-        logits = F.linear(hidden, self.weight)  # [N, vocab_per_rank]
+        logits = linear(hidden, self.weight)  # [N, vocab_per_rank]
         logits = self.comm.gather_last_dim(logits)  # [N, vocab_padded] on rank 0, else None
         if logits is None:
             return None

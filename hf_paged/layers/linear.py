@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
+from hf_paged.kernels.skinny_gemm import linear
 
 
 def loaded_shape(loaded: Any) -> tuple[int, ...]:
@@ -87,7 +87,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -239,7 +239,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.comm.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
