@@ -22,7 +22,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import environment, log  # noqa: E402
 
-from hf_paged.kernels.skinny_gemm import DEFAULT_CONFIG, skinny_gemm  # noqa: E402
+from hf_paged.kernels.skinny_gemm import _config, skinny_gemm  # noqa: E402
 
 SHAPES_8B = {  # name: (N, K)
     "qkv": (6144, 4096),
@@ -60,7 +60,7 @@ def main() -> None:
             row = {"shape": name, "N": n, "K": k, "M": m, "weight_MB": nbytes / 1e6}
             t = _time_ms(lambda x=x, w=w: F.linear(x, w))
             row["cublas_us"], row["cublas_GBps"] = 1e3 * t, nbytes / t / 1e6
-            configs = SWEEP if args.sweep else [DEFAULT_CONFIG]
+            configs = SWEEP if args.sweep else [_config(n, k)]
             best = None
             for cfg in configs:
                 try:

@@ -227,7 +227,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
-        "--async-scheduling", action="store_true", help="overlap step n+1's launch with step n"
+        "--sync-scheduling",
+        action="store_true",
+        help="async_scheduling=False (default: the engine's auto, on for one CUDA rank)",
     )
     p.add_argument("--out-dir", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny model, 32 + 8 tokens")
@@ -244,7 +246,7 @@ def main(argv=None) -> None:
     (warm_prompt,), _ = make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=1)
     ekw = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "enforce_eager": args.enforce_eager,
-           "async_scheduling": args.async_scheduling}  # fmt: skip
+           "async_scheduling": (False if args.sync_scheduling else None)}  # fmt: skip
     ekw = {k: v for k, v in ekw.items() if v is not None}
 
     log(f"L1: {args.arch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {systems}")

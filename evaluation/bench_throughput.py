@@ -370,7 +370,7 @@ def engine_kwargs_from(args) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enforce_eager": args.enforce_eager,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": (False if args.sync_scheduling else None),
         "enable_prefix_caching": not args.no_prefix_caching,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "attention_backend": args.attention_backend,
@@ -476,7 +476,9 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
-        "--async-scheduling", action="store_true", help="overlap step n+1's launch with step n"
+        "--sync-scheduling",
+        action="store_true",
+        help="async_scheduling=False (default: the engine's auto, on for one CUDA rank)",
     )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default=None)

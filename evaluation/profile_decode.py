@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--sync-scheduling", action="store_true", help="async_scheduling=False")
     p.add_argument("--out-dir", default="/tmp/hf_paged_profile")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = p.parse_args()
@@ -49,7 +49,7 @@ def main() -> None:
         model,
         max_model_len=args.prompt_len + 256,
         enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=(False if args.sync_scheduling else None),
     )
     eng = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

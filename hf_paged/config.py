@@ -72,7 +72,8 @@ class EngineConfig:
         attention_backend: None = chosen by capability; else a registered name ("torch", ...).
         async_scheduling: schedule and launch step n+1 before step n's tokens reach the host
             (one rank only; requests with penalties, logprobs or external sampling step
-            synchronously). See ``engine/overlap.py``.
+            synchronously). See ``engine/overlap.py``. None (default) = on for a single-rank
+            CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
     """
 
     max_num_seqs: int = 256
@@ -89,7 +90,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -103,8 +104,8 @@ class EngineConfig:
         _check_int("seed", self.seed)
         if not isinstance(self.enforce_eager, bool):
             raise _bad("enforce_eager", self.enforce_eager, "a bool")
-        if not isinstance(self.async_scheduling, bool):
-            raise _bad("async_scheduling", self.async_scheduling, "a bool")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise _bad("async_scheduling", self.async_scheduling, "a bool or None")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise _bad(
                 "async_scheduling",

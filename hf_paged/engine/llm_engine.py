@@ -89,7 +89,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runtime.num_kv_blocks, self.config.kv_block_size, self.config.enable_prefix_caching
         )
-        self._overlap = OverlapStepper(self) if self.config.async_scheduling else None
+        overlap = self.config.async_scheduling
+        if overlap is None:  # auto: where the host has something to hide (one CUDA rank)
+            overlap = self.runtime.device != "cpu" and self.config.tensor_parallel_size == 1
+        self._overlap = OverlapStepper(self) if overlap else None
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,

@@ -30,7 +30,13 @@ MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
 _ENABLED = os.environ.get("HF_PAGED_SKINNY_GEMM", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen per shape by ``_config``
-DEFAULT_CONFIG = (16, 512, 4, 4)
+DEFAULT_CONFIG = (32, 128, 4, 3)
+# The layers use the kernel only where it measured faster than cuBLAS: few rows, no bias (cuBLAS
+# rounds a bias differently), and large weights with a long K loop (H200, bf16, one row:
+# evaluation/bench_gemv.py). Small matrices (e.g. Qwen3-0.6B's) stay on cuBLAS.
+DISPATCH_MAX_ROWS = 4
+DISPATCH_MIN_K = 4096
+DISPATCH_MIN_ELEMENTS = 16 * 2**20
 
 
 def _problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -58,14 +64,22 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear`` for the model's layers: the skinny kernel for a few rows on CUDA, else
     ``F.linear`` (cuBLAS, or the CPU)."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and supports(x, weight, bias):
-        return skinny_gemm(x, weight, bias)
+    if (
+        bias is None
+        and x.dim() == 2
+        and x.shape[0] <= DISPATCH_MAX_ROWS
+        and weight.dim() == 2
+        and weight.shape[1] >= DISPATCH_MIN_K
+        and weight.numel() >= DISPATCH_MIN_ELEMENTS
+        and supports(x, weight)
+    ):
+        return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
 
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # one compiled variant per weight for every row count
     def _skinny_gemm_kernel(
         x_ptr,
         w_ptr,
@@ -105,6 +119,16 @@ if triton is not None:
 
 
 def _config(n: int, k: int) -> tuple[int, int, int, int]:
+    """Tile config by weight shape, from the H200 sweep at one row (bench_gemv.py --sweep):
+    Llama-3-8B's o_proj (4096 x 4096) 7.8 us vs cuBLAS 10.5 + split-K reduce; down
+    (4096 x 14336) 29.5 vs 31.8 + reduce; gate_up (28672 x 4096) 55.8 vs 58.7; lm_head
+    (128256 x 4096) 231 vs 239; qkv (6144 x 4096) 13.7 vs 13.3."""
+    if n <= 4096:  # few row blocks: long K tiles keep enough bytes in flight per program
+        return (32, 512, 4, 4 if k >= 8192 else 3)
+    if n >= 65536:
+        return (64, 128, 4, 4)
+    if n <= 8192:
+        return (64, 128, 4, 6)
     return DEFAULT_CONFIG
 
 

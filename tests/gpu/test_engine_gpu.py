@@ -48,6 +48,7 @@ def ours(path, ps, **kw):
     cfg.update(kw)
     with LLM(path, **cfg) as llm:
         assert llm.engine.executor.runner.attn_backend.name == "triton"
+        assert (llm.engine._overlap is not None) == cfg.get("async_scheduling", True)
         graphs = llm.engine.executor.runner.graph_runner is not None
         return [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)], graphs
 
@@ -74,9 +75,10 @@ def test_graph_replay_equals_eager_bf16(model_path):
     assert same >= len(ps) - 1, f"only {same}/{len(ps)} sequences identical"
 
 
-def test_fp32_parity_async_scheduling(model_path):
-    """Overlapped stepping on CUDA: pinned token copies, events, on-device input gathering."""
+def test_fp32_parity_sync_scheduling(model_path):
+    """Synchronous stepping on CUDA (the other tests run the default there: overlapped stepping,
+    with pinned token copies, events and on-device input gathering)."""
     ps = prompts(12, seed=3)
-    got, graphs = ours(model_path, ps, dtype="float32", async_scheduling=True)
+    got, graphs = ours(model_path, ps, dtype="float32", async_scheduling=False)
     assert graphs
     assert got == hf_tokens(model_path, ps, torch.float32)

@@ -110,3 +110,16 @@ def test_async_needs_one_rank():
 
     with pytest.raises(ValueError, match="async_scheduling=True .* tensor_parallel_size=2"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+    EngineConfig(tensor_parallel_size=2)  # the default (None = auto) is allowed: sync there
+    with pytest.raises(ValueError, match="async_scheduling.*a bool or None"):
+        EngineConfig(async_scheduling="yes")
+
+
+def test_default_is_auto_sync_on_cpu(variant):
+    from hf_paged import LLM
+
+    with LLM(variant[0]) as llm:
+        assert llm.engine.config.async_scheduling is None
+        assert llm.engine._overlap is None  # CPU: nothing to hide
+    with LLM(variant[0], async_scheduling=True) as llm:
+        assert llm.engine._overlap is not None
