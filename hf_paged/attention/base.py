@@ -52,12 +52,14 @@ class AttentionBackend(ABC):
     """Computes paged attention for one layer. Stateless apart from what ``__init__`` caches.
 
     ``forward`` must: (1) write ``k``/``v`` into the caches at ``meta.slot_mapping`` (skipping
-    -1), (2) return the attention output for every query token. Safe to call inside CUDA-graph
+    -1) unless ``kv_stored`` says a fused kernel already did (only offered to backends with
+    ``accepts_stored_kv``), (2) return the attention output for every query token. Safe to call inside CUDA-graph
     capture when ``meta.is_decode`` (backends that cannot say so via ``supports_cuda_graph``).
     """
 
     name: str = "base"
     supports_cuda_graph: bool = False
+    accepts_stored_kv: bool = False  # may the model write the KV cache before ``forward``?
 
     @abstractmethod
     def forward(
@@ -69,5 +71,6 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -46,8 +46,10 @@ class TorchRefBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
         ctx = meta.context_lens_cpu or meta.context_lens.tolist()
         out = torch.empty_like(q)

@@ -45,6 +45,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    accepts_stored_kv = True  # the fused rotary kernel writes K/V (one launch fewer per layer)
 
     def __init__(self, use_flash_prefill: bool = False) -> None:
         self.use_flash_prefill = use_flash_prefill  # prefer aten flash for pure prefill
@@ -60,8 +61,10 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             return paged_decode(
                 q,

@@ -73,6 +73,23 @@ def _problem(q, k, cos, sin, q_weight, k_weight) -> str | None:
     return None
 
 
+def kv_cache_problem(k, v, k_cache, v_cache, slot_mapping) -> str | None:
+    """Why the kernel cannot also store into these caches, or None: ``v`` like ``k``; caches
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` of k's dtype, contiguous (a flat slot
+    is then one stride), sharing shape; an int64 slot per token."""
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1:
+        return f"v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} {k.dtype}"
+    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or k_cache.dtype != k.dtype:
+        return f"cache {tuple(k_cache.shape)} {k_cache.dtype} does not fit k {tuple(k.shape)}"
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        return "k_cache and v_cache must share shape and dtype"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches must be contiguous"
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < k.shape[0]:
+        return f"slot_mapping must be int64 with >= {k.shape[0]} entries"
+    return None
+
+
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,6 +155,7 @@ if triton is not None:
         dst = out_ptr + token * stride_ot + h * stride_oh + d
         tl.store(dst, o1.to(dt), mask=mask)
         tl.store(dst + half, o2.to(dt), mask=mask)
+        return o1.to(dt), o2.to(dt)
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -163,8 +181,17 @@ if triton is not None:
         num_kv_heads,
         num_q_blocks,
         eps,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        stride_vt,
+        stride_vh,
+        stride_cslot,
+        stride_ch,
         HEAD_DIM: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        STORE_KV: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
     ):
@@ -176,10 +203,24 @@ if triton is not None:
                              stride_qoh, stride_ct, stride_st, eps,
                              HEAD_DIM, HAS_NORM, BLOCK_H, BLOCK_HALF)  # fmt: skip
         else:
-            _norm_rope_heads(k_ptr, k_out_ptr, k_w_ptr, cos_ptr, sin_ptr, token,
-                             (block - num_q_blocks) * BLOCK_H, num_kv_heads, stride_kt,
-                             stride_kh, stride_kot, stride_koh, stride_ct, stride_st, eps,
-                             HEAD_DIM, HAS_NORM, BLOCK_H, BLOCK_HALF)  # fmt: skip
+            head0 = (block - num_q_blocks) * BLOCK_H
+            k1, k2 = _norm_rope_heads(k_ptr, k_out_ptr, k_w_ptr, cos_ptr, sin_ptr, token,
+                                      head0, num_kv_heads, stride_kt, stride_kh, stride_kot,
+                                      stride_koh, stride_ct, stride_st, eps,
+                                      HEAD_DIM, HAS_NORM, BLOCK_H, BLOCK_HALF)  # fmt: skip
+            if STORE_KV:  # the rotated k and the raw v into the paged caches (slot -1: skip)
+                slot = tl.load(slot_mapping_ptr + token)
+                if slot >= 0:
+                    half: tl.constexpr = HEAD_DIM // 2
+                    h = head0 + tl.arange(0, BLOCK_H)[:, None]
+                    d = tl.arange(0, BLOCK_HALF)[None, :]
+                    mask = (h < num_kv_heads) & (d < half)
+                    dst = slot * stride_cslot + h * stride_ch + d
+                    tl.store(k_cache_ptr + dst, k1, mask=mask)
+                    tl.store(k_cache_ptr + dst + half, k2, mask=mask)
+                    src = v_ptr + token * stride_vt + h * stride_vh + d
+                    tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
+                    tl.store(v_cache_ptr + dst + half, tl.load(src + half, mask=mask), mask=mask)
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +235,15 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,  # [D]
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    kv_cache: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optional per-head RMSNorm (``q_weight``/``k_weight``, both or neither) + neox rotary.
 
     ``q``/``k`` may be strided views (slices of a fused qkv projection) and are not modified.
+    ``kv_cache = (v, k_cache, v_cache, slot_mapping)`` also writes the rotated k and ``v`` into
+    the paged caches at ``slot_mapping`` (-1 = skip), as ``kv_store.store_kvcache`` would, in the
+    same launch (see :func:`kv_cache_problem` for what the caches must be).
 
     Returns:
         new contiguous ``(q, k)`` of the input shapes and dtype.
@@ -207,6 +253,8 @@ def qk_norm_rope(
             mixed dtypes.
     """
     problem = _problem(q, k, cos, sin, q_weight, k_weight)
+    if problem is None and kv_cache is not None:
+        problem = kv_cache_problem(k, *kv_cache)
     if problem is not None:
         raise ValueError(f"unsupported inputs for the fused q/k norm + rope: {problem}")
     q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
@@ -222,6 +270,12 @@ def qk_norm_rope(
     num_q_blocks = triton.cdiv(num_heads, block_h)
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, block_h))
     has_norm = q_weight is not None
+    if kv_cache is not None:
+        v, k_cache, v_cache, slot_mapping = kv_cache
+        store = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1),
+                 k_cache.stride(1), k_cache.stride(2))  # fmt: skip
+    else:
+        store = (q, q, q, q, 0, 0, 0, 0)  # dummies, never read
     _qk_norm_rope_kernel[grid](
         q, k, q_out, k_out,
         q_weight if has_norm else q, k_weight if has_norm else k,  # dummies when no norm
@@ -229,8 +283,9 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0),
-        num_heads, num_kv_heads, num_q_blocks, eps,
-        HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_heads, num_kv_heads, num_q_blocks, eps, *store,
+        HEAD_DIM=head_dim, HAS_NORM=has_norm, STORE_KV=kv_cache is not None,
+        BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=4,
         # no FMA contraction: it would fuse a rounded product into the add (fma.rn.bf16) and
         # skip the rounding torch does there (checked in the PTX for sm_90)

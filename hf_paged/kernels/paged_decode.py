@@ -26,7 +26,7 @@ except ImportError:  # CPU-only installs: only the reference is usable
     triton = None
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 128  # fewest keys a split-K partition covers (dynamic and static)
+MIN_PARTITION = 64  # fewest keys a split-K partition covers: one bf16 tile (batch-1 latency)
 MAX_PARTITIONS = 64  # bound on the split; keeps the reduce kernel's tile in registers
 
 

@@ -34,13 +34,24 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]
         v: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """``kv_stored``: k and v are already in the cache (written with the rotary kernel)."""
         s = self.spec
         q = q.reshape(-1, s.num_heads, s.head_dim)
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        o = self.ctx.attn_backend.forward(q, k, v, self.k_cache, self.v_cache, meta, s)
+        backend = self.ctx.attn_backend
+        o = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, s, kv_stored=kv_stored)
         return o.reshape(-1, s.num_heads * s.head_dim)
+
+    def kv_cache_write(self, v: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
+        """``(v, k_cache, v_cache, slot_mapping)`` for a kernel that can write this layer's new
+        K/V into the cache as it makes them; None when the backend stores them itself (the
+        torch reference) or there is no cache yet (warm-up)."""
+        if not self.ctx.attn_backend.accepts_stored_kv or self.k_cache.numel() == 0:
+            return None
+        return (v, self.k_cache, self.v_cache, meta.slot_mapping)
 
     def extra_repr(self) -> str:
         s = self.spec

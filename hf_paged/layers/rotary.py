@@ -138,18 +138,28 @@ def apply_rotary_emb_qk(
     sin: torch.Tensor,
     q_norm: RMSNorm | None = None,
     k_norm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_cache: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``q_norm``/``k_norm`` per head (Qwen3; both or neither), then rotary, on q and k.
 
     On CUDA (with triton) one Triton launch (``hf_paged.kernels.fused_rope``); elsewhere, or for
     inputs the kernel does not take, the modules and :func:`apply_rotary_emb`, as HF does.
+    ``kv_cache = (v, k_cache, v_cache, slot_mapping)`` (see ``Attention.kv_cache_write``) asks
+    the kernel to also write the rotated k and v into the paged cache.
+
+    Returns:
+        ``(q, k, stored)``: ``stored`` says whether the cache write was done here (the
+        attention backend must then skip its own).
     """
     if q_norm is None:
         q_w, k_w, eps, same_eps = None, None, 0.0, True
     else:
         q_w, k_w, eps, same_eps = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.eps == k_norm.eps
     if same_eps and fused_rope.supports(q, k, cos, sin, q_w, k_w):
-        return fused_rope.qk_norm_rope(q, k, cos, sin, q_w, k_w, eps)
+        if kv_cache is not None and fused_rope.kv_cache_problem(k, *kv_cache) is not None:
+            kv_cache = None
+        q, k = fused_rope.qk_norm_rope(q, k, cos, sin, q_w, k_w, eps, kv_cache=kv_cache)
+        return q, k, kv_cache is not None
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+    return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin), False

@@ -107,8 +107,11 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()  # Qwen3: per-head RMSNorm
-        q, k = apply_rotary_emb_qk(q, k, cos, sin, *norms)  # one launch on CUDA
-        o = self.attn(q, k, v, meta)  # [T, H * D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # one launch on CUDA, which also writes k and v into the paged cache when it can
+        write = self.attn.kv_cache_write(v, meta)
+        q, k, stored = apply_rotary_emb_qk(q, k, cos, sin, *norms, kv_cache=write)
+        o = self.attn(q, k, v, meta, kv_stored=stored)  # [T, H * D]
         return self.o_proj(o)
 
 

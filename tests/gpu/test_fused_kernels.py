@@ -137,12 +137,22 @@ def test_layers_dispatch_to_kernels():
     k_norm.weight.data.copy_(_randn(head_dim, dtype=dtype, seed=6))
     q, k = _randn(7, 16, head_dim, dtype=dtype, seed=7), _randn(7, 8, head_dim, dtype=dtype)
     cos, sin = _cos_sin(7, head_dim, dtype)
-    got = apply_rotary_emb_qk(q, k, cos, sin, q_norm, k_norm)
+    *got, stored = apply_rotary_emb_qk(q, k, cos, sin, q_norm, k_norm)
     want = fused_rope.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    got = apply_rotary_emb_qk(q, k, cos, sin)
+    assert not stored and all(torch.equal(a, b) for a, b in zip(got, want))
+    *got, stored = apply_rotary_emb_qk(q, k, cos, sin)
     want = fused_rope.qk_norm_rope(q, k, cos, sin)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not stored and all(torch.equal(a, b) for a, b in zip(got, want))
+    # with a cache to write: the rotated k and v land in it, as store_kvcache would put them
+    from hf_paged.kernels.kv_store import store_kvcache
+
+    v = _randn(7, 8, head_dim, dtype=dtype, seed=9)
+    caches = [torch.zeros(4, 16, 8, head_dim, dtype=dtype, device="cuda") for _ in range(4)]
+    slots = torch.tensor([3, -1, 17, 40, 63, -1, 0], device="cuda")
+    *got, stored = apply_rotary_emb_qk(q, k, cos, sin, kv_cache=(v, caches[0], caches[1], slots))
+    assert stored and all(torch.equal(a, b) for a, b in zip(got, want))
+    store_kvcache(want[1], v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
 @torch.inference_mode()

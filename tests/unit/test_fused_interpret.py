@@ -112,6 +112,44 @@ def case_rope(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
     return max(_rel_err(out[0], ref[0]), _rel_err(out[1], ref[1]))
 
 
+def case_rope_store(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
+    """The rotary kernel also writing k and v into a paged cache: the cache equals rotary then
+    ``store_kvcache_ref``; slot -1 tokens are skipped; q/k outputs are unchanged by the store."""
+    import torch
+
+    from hf_paged.kernels import fused_rope
+    from hf_paged.kernels.kv_store import store_kvcache_ref
+
+    dtype = _dtype(dt)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = _randn(num_tokens, width, dtype=dtype, seed=16, scale=2.0)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    cos, sin = _cos_sin(num_tokens, head_dim, dtype)
+    weights = (None, None)
+    if norm:
+        weights = (_randn(head_dim, dtype=dtype, seed=7), _randn(head_dim, dtype=dtype, seed=8))
+    block_size, num_blocks = 4, 6
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, 7.0, dtype=dtype) for _ in range(4)]  # ours k/v, ref k/v
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1  # skipped tokens (graph padding, cached prefix)
+    out = fused_rope.qk_norm_rope(q, k, cos, sin, *weights, eps=1e-6,
+                                  kv_cache=(v, caches[0], caches[1], slots))  # fmt: skip
+    ref = fused_rope.qk_norm_rope_ref(q, k, cos, sin, *weights, eps=1e-6)
+    store_kvcache_ref(ref[1], v, caches[2], caches[3], slots)
+    err = max(_rel_err(out[0], ref[0]), _rel_err(out[1], ref[1]))
+    err = max(err, _rel_err(caches[0], caches[2]), _rel_err(caches[1], caches[3]))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    if not (caches[0].view(-1, num_kv_heads, head_dim)[untouched] == 7.0).all():
+        return float("inf")  # a write outside the given slots
+    return err
+
+
 def case_silu(dt, rows, inter, strided=False):
     from hf_paged.kernels import fused_act
 
@@ -162,8 +200,9 @@ def case_bad_inputs_raise():
     return 0.0
 
 
-def case_model(family):
-    """A tiny fp32 model's prefill + decode logits: torch path vs every fused kernel on CPU."""
+def case_model(family, fused_store=False):
+    """A tiny fp32 model's prefill + decode logits: torch path vs every fused kernel on CPU.
+    ``fused_store``: the backend lets the rotary kernel write the KV cache (as Triton does)."""
     import torch
 
     from hf_paged.attention.torch_ref import TorchRefBackend
@@ -173,8 +212,12 @@ def case_model(family):
     from hf_paged.models.registry import build_model
     from tests.helpers import attach_kv_caches, build_hf_model, run_step
 
+    class StoredKVRef(TorchRefBackend):
+        accepts_stored_kv = True
+
     hf = build_hf_model(family)
-    model = build_model(hf.config, ModelContext(TorchRefBackend()), dtype=torch.float32)
+    backend = StoredKVRef() if fused_store else TorchRefBackend()
+    model = build_model(hf.config, ModelContext(backend), dtype=torch.float32)
     load_weights(model, hf)
     seqs = [[5, 9, 33, 7, 100, 2, 8], [40, 41, 3]]
 
@@ -186,10 +229,13 @@ def case_model(family):
 
     ref = logits()
     calls = {"norm": 0, "rope": 0, "act": 0}
+    stores = []
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1
+            if name == "rope":
+                stores.append(kwargs.get("kv_cache") is not None)
             return fn(*args, **kwargs)
 
         return wrapper
@@ -215,6 +261,8 @@ def case_model(family):
     layers = hf.config.num_hidden_layers
     if calls != {"norm": 2 * (2 * layers + 1), "rope": 2 * layers, "act": 2 * layers}:
         raise AssertionError(f"fused kernels not all used: {calls}")
+    if stores != [fused_store] * len(stores):
+        raise AssertionError(f"the rotary kernel stored K/V in {stores}, expected {fused_store}")
     return _rel_err(out, ref)
 
 
@@ -224,6 +272,8 @@ CASES = {
     "fp16_rms_norm_3d": (case_rms_norm_3d, ()),
     "fp32_model_llama": (case_model, ("llama",)),
     "fp32_model_qwen3": (case_model, ("qwen3",)),
+    "fp32_model_llama_fused_store": (case_model, ("llama", True)),
+    "fp32_model_qwen3_fused_store": (case_model, ("qwen3", True)),
 }
 for _dt in ("fp32", "fp16"):
     for _rows, _hidden in ((1, 64), (7, 100), (3, 1024)):
@@ -240,6 +290,10 @@ for _dt in ("fp32", "fp16"):
                 f"{_dt}_rope_t{_shape[0]}_q{_shape[1]}_kv{_shape[2]}_d{_shape[3]}_norm{int(_norm)}"
             )
             CASES[_name] = (case_rope, (_dt, *_shape, _norm))
+            CASES[_name.replace("_rope_", "_rope_store_")] = (
+                case_rope_store,
+                (_dt, *_shape, _norm),
+            )
     for _rows, _inter in ((1, 64), (3, 1000), (2, 2500)):
         CASES[f"{_dt}_silu_r{_rows}_i{_inter}"] = (case_silu, (_dt, _rows, _inter))
     CASES[f"{_dt}_silu_strided"] = (case_silu, (_dt, 3, 96, True))
