@@ -37,7 +37,8 @@ from hf_paged.layers.sampler import SamplingMetadata
 @dataclass
 class StepResult:
     finished: list[RequestOutput] = field(default_factory=list)
-    # external-sampling requests: request_id -> next-token raw logits [V] float32 (cpu)
+    # external-sampling requests: request_id -> next-token raw logits [V] float32 (on the
+    # engine's device)
     logits: dict = field(default_factory=dict)
 
 

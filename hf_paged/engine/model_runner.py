@@ -18,7 +18,7 @@ import torch
 from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.engine.outputs import ModelInput, RunnerOutput
+from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
@@ -115,45 +115,44 @@ class ModelRunner:
         self.activation_peak_bytes = 0
         if self.device.type != "cuda":
             return
-        max_tokens = self.config.max_num_batched_tokens
-        seq_len = min(self.max_model_len, max_tokens)
-        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
-        blocks_per_seq = -(-seq_len // self.block_size)
-        self._set_kv_cache(num_seqs * blocks_per_seq)  # a real cache, freed below
-        meta, input_ids, positions = self._synthetic_prefill([seq_len] * num_seqs, blocks_per_seq)
+        step = self._warmup_inputs()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta)
-            self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        self._warmup_forward(*step)
         torch.cuda.synchronize(self.device)
         self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
 
-    def _synthetic_prefill(self, lens: list[int], blocks_per_seq: int):
-        """Sequence i of ``lens`` owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
-        bs = self.block_size
-        cu, slots, positions, tables = [0], [], [], []
-        for i, n in enumerate(lens):
-            cu.append(cu[-1] + n)
-            positions.extend(range(n))
-            slots.extend(i * blocks_per_seq * bs + p for p in range(n))
-            tables.append(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        dev = self.device
-        meta = AttentionMetadata(
-            is_decode=False, num_seqs=len(lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([list(t) for t in tables], dtype=torch.int32, device=dev),
-            max_seqlen_q=max(lens), max_context_len=max(lens),
-            cu_seqlens_q_cpu=cu, context_lens_cpu=list(lens),
-        )  # fmt: skip
-        input_ids = torch.zeros(len(slots), dtype=torch.int64, device=dev)
-        return meta, input_ids, torch.tensor(positions, dtype=torch.int64, device=dev)
+    def _warmup_inputs(self):
+        """A temporary real KV cache and the largest prefill step's inputs, made by
+        ``prepare_prefill`` as for a served step, so the kernels compile for the same layout."""
+        max_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.max_model_len, max_tokens)
+        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._set_kv_cache(num_seqs * blocks_per_seq)  # freed by the caller
+        return self.prepare_prefill(self._synthetic_prefill([seq_len] * num_seqs, blocks_per_seq))
+
+    @torch.inference_mode()
+    def _warmup_forward(self, input_ids, positions, meta, logits_idx) -> torch.Tensor | None:
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_idx])
+
+    @staticmethod
+    def _synthetic_prefill(lens: list[int], blocks_per_seq: int) -> ModelInput:
+        """Whole prompts of ``lens`` tokens; sequence i owns blocks
+        [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+        return ModelInput(
+            [
+                ScheduledChunk(
+                    i, [0] * n, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True
+                )
+                for i, n in enumerate(lens)
+            ]
+        )
 
     def kv_block_bytes(self) -> int:
         spec = self.attn_layers[0].spec
@@ -261,24 +260,32 @@ class ModelRunner:
         return out
 
     def _metadata(self, inp, cu, ctx, slot_mapping, is_decode: bool) -> AttentionMetadata:
+        """Block tables, context lengths and cu_seqlens in one int32 host buffer and one copy.
+
+        The layout keeps what Triton specializes a kernel on constant from step to step, so the
+        variant compiled at warm-up serves every later step (a new one costs a compile of ~1 s,
+        mid-run): table rows are 16 entries apart (``stride(0) % 16 == 0``) and every segment
+        starts 16-byte aligned. [tables (n x row, row = mb rounded up to 16) | ctx (n, padded to
+        4) | cu (n + 1)]."""
         chunks = inp.chunks
         n = len(chunks)
-        mb = max(len(c.block_table) for c in chunks)
-        # one int32 host buffer, one copy: [block tables (n * mb) | context_lens (n) | cu (n+1)]
-        host = np.zeros(n * mb + 2 * n + 1, dtype=np.int32)
-        tables = host[: n * mb].reshape(n, mb)
+        mb = max(1, max(len(c.block_table) for c in chunks))
+        row = -(-mb // 16) * 16
+        ctx_at, cu_at = n * row, n * row + -(-n // 4) * 4
+        host = np.zeros(cu_at + n + 1, dtype=np.int32)
+        tables = host[:ctx_at].reshape(n, row)
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_table)] = c.block_table
-        host[n * mb : n * mb + n] = ctx
-        host[n * mb + n :] = cu
+        host[ctx_at : ctx_at + n] = ctx
+        host[cu_at:] = cu
         dev = self._to_device(host, "meta")
         return AttentionMetadata(
             is_decode=is_decode,
             num_seqs=n,
             slot_mapping=slot_mapping,
-            cu_seqlens_q=dev[n * mb + n :],
-            context_lens=dev[n * mb : n * mb + n],
-            block_tables=dev[: n * mb].view(n, mb),
+            cu_seqlens_q=dev[cu_at:],
+            context_lens=dev[ctx_at : ctx_at + n],
+            block_tables=dev[:ctx_at].view(n, row)[:, :mb],
             max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             max_context_len=max(ctx),
             cu_seqlens_q_cpu=cu,
@@ -328,7 +335,8 @@ class ModelRunner:
                 for i, lp in zip(internal, result.logprobs):
                     out.logprobs[i] = lp
         if external:
-            ext_logits = logits[list(external_rows)].float().cpu()
+            # they stay on the device: HF's processors and criteria run there, as in stock
+            ext_logits = logits[list(external_rows)].float()
             out.logits = [None] * num_rows
             for j, i in enumerate(external_rows):
                 out.logits[i] = ext_logits[j]

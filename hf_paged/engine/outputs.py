@@ -62,7 +62,7 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     # per sampled row, when any request asked for logprobs: (sampled logprob, {id: logprob} top-k)
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
-    # per sampled row: raw logits [V] (float32, cpu) when a request asked for them (integration)
+    # per sampled row: raw logits [V] (float32, on the device) when a request asked for them
     logits: list | None = None
 
 

@@ -204,9 +204,9 @@ def _run_external(engine, call: PreparedCall):
 def _gather_logits(batch: _Batch, open_rows: list[int], n: int, budget: int) -> torch.Tensor:
     """``[B, V]`` raw next-token logits; rows no longer in the engine get zeros."""
     got = _collect_logits(batch, [batch.rids[i] for i in open_rows], budget)
-    vocab = next(iter(got.values())).shape[-1]
     rows = [got.get(batch.rids[i]) for i in range(n)]
-    return torch.stack([r if r is not None else torch.zeros(vocab) for r in rows])
+    zeros = torch.zeros_like(next(iter(got.values())))
+    return torch.stack([r if r is not None else zeros for r in rows])
 
 
 def _select(scores: torch.Tensor, do_sample: bool, open_rows: list[int]) -> torch.Tensor:
