@@ -207,8 +207,8 @@ def environment() -> dict:
         triton_version = None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        # the device copy of the tree has no .git: pass HF_PAGED_GIT_SHA=<sha> in the command
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("HF_PAGED_GIT_SHA"),
+        # the device copy of the tree may carry a stale .git: pass HF_PAGED_GIT_SHA=<sha> there
+        "git_sha": os.environ.get("HF_PAGED_GIT_SHA") or _git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,

@@ -90,20 +90,29 @@ def case_rms_norm_3d():
     return _rel_err(fused_norm.rms_norm(x, w, 1e-5), fused_norm.rms_norm_ref(x, w, 1e-5))
 
 
-def case_rope(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
-    from hf_paged.kernels import fused_rope
-
+def _rope_inputs(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm, seed):
+    """q, k, v as strided views of one fused qkv projection (as the model hands them over), the
+    rotary tables and the optional q/k norm weights: ``(qkv, q, k, v, cos, sin, weights)``."""
     dtype = _dtype(dt)
-    # q, k as strided views of a fused qkv projection, like the model hands them over
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = _randn(num_tokens, width, dtype=dtype, seed=6, scale=2.0)
+    qkv = _randn(num_tokens, width, dtype=dtype, seed=seed, scale=2.0)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
     k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     cos, sin = _cos_sin(num_tokens, head_dim, dtype)
     weights = (None, None)
     if norm:
         weights = (_randn(head_dim, dtype=dtype, seed=7), _randn(head_dim, dtype=dtype, seed=8))
+    return qkv, q, k, v, cos, sin, weights
+
+
+def case_rope(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
+    from hf_paged.kernels import fused_rope
+
+    qkv, q, k, _, cos, sin, weights = _rope_inputs(
+        dt, num_tokens, num_heads, num_kv_heads, head_dim, norm, seed=6
+    )
     before = qkv.clone()
     out = fused_rope.qk_norm_rope(q, k, cos, sin, *weights, eps=1e-6)
     ref = fused_rope.qk_norm_rope_ref(q, k, cos, sin, *weights, eps=1e-6)
@@ -121,16 +130,9 @@ def case_rope_store(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
     from hf_paged.kernels.kv_store import store_kvcache_ref
 
     dtype = _dtype(dt)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = _randn(num_tokens, width, dtype=dtype, seed=16, scale=2.0)
-    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
-    k = k.view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-    cos, sin = _cos_sin(num_tokens, head_dim, dtype)
-    weights = (None, None)
-    if norm:
-        weights = (_randn(head_dim, dtype=dtype, seed=7), _randn(head_dim, dtype=dtype, seed=8))
+    _, q, k, v, cos, sin, weights = _rope_inputs(
+        dt, num_tokens, num_heads, num_kv_heads, head_dim, norm, seed=16
+    )
     block_size, num_blocks = 4, 6
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.full(shape, 7.0, dtype=dtype) for _ in range(4)]  # ours k/v, ref k/v
