@@ -257,6 +257,12 @@ def qk_norm_rope(
         problem = kv_cache_problem(k, *kv_cache)
     if problem is not None:
         raise ValueError(f"unsupported inputs for the fused q/k norm + rope: {problem}")
+    return launch_checked(q, k, cos, sin, q_weight, k_weight, eps, kv_cache)
+
+
+def launch_checked(q, k, cos, sin, q_weight, k_weight, eps, kv_cache):
+    """:func:`qk_norm_rope` for inputs already checked (``supports`` / ``kv_cache_problem``),
+    so a layer's hot path does not check them twice."""
     q, k, cos, sin = (_last_contiguous(t) for t in (q, k, cos, sin))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

@@ -158,7 +158,7 @@ def apply_rotary_emb_qk(
     if same_eps and fused_rope.supports(q, k, cos, sin, q_w, k_w):
         if kv_cache is not None and fused_rope.kv_cache_problem(k, *kv_cache) is not None:
             kv_cache = None
-        q, k = fused_rope.qk_norm_rope(q, k, cos, sin, q_w, k_w, eps, kv_cache=kv_cache)
+        q, k = fused_rope.launch_checked(q, k, cos, sin, q_w, k_w, eps, kv_cache)
         return q, k, kv_cache is not None
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)

@@ -237,7 +237,7 @@ def case_model(family, fused_store=False):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             if name == "rope":
-                stores.append(kwargs.get("kv_cache") is not None)
+                stores.append(args[7] is not None)  # launch_checked(..., eps, kv_cache)
             return fn(*args, **kwargs)
 
         return wrapper
@@ -249,7 +249,7 @@ def case_model(family, fused_store=False):
         (fused_act, "supports"): lambda x: fused_act._problem(x) is None,
         (fused_norm, "rms_norm"): counted("norm", fused_norm.rms_norm),
         (fused_norm, "fused_add_rms_norm"): counted("norm", fused_norm.fused_add_rms_norm),
-        (fused_rope, "qk_norm_rope"): counted("rope", fused_rope.qk_norm_rope),
+        (fused_rope, "launch_checked"): counted("rope", fused_rope.launch_checked),
         (fused_act, "silu_and_mul"): counted("act", fused_act.silu_and_mul),
     }
     saved = {key: getattr(*key) for key in patches}
