@@ -40,6 +40,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import (  # noqa: E402
     RESULTS_DIR,
+    TritonCompileLog,
     Workload,
     build_random_model,
     environment,
@@ -207,8 +208,9 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
         stats0 = llm.stats
         sync(device)
         t0 = time.perf_counter()
-        outs = llm.generate(wl.prompts, params, use_tqdm=False)
-        sync(device)
+        with TritonCompileLog() as compiles:
+            outs = llm.generate(wl.prompts, params, use_tqdm=False)
+            sync(device)
         wall = time.perf_counter() - t0
         stats = llm.stats
         info = {
@@ -219,6 +221,7 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
             "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"]
             - stats0["prefix_cache_hit_tokens"],
             "profile": stats.get("profile"),  # HF_PAGED_PROFILE=1: host/GPU split per step
+            "triton_compiles_in_run": compiles.summary(),
             "attention_backend": type(
                 getattr(getattr(llm.engine.executor, "runner", None), "attn_backend", None)
             ).__name__,
@@ -227,6 +230,10 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
         llm.close()
         del llm
         free_memory(device)
+    tc = info["triton_compiles_in_run"]
+    log(f"{system}: {tc['count']} Triton compiles in the timed run ({tc['total_s']:.2f} s)")
+    for line in tc["kernels"]:
+        log(f"  compiled: {line}")
     if info["profile"]:
         for name, row in info["profile"].items():
             log(

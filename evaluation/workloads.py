@@ -254,3 +254,50 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     cell = lambda c: str(c).replace("|", "\\|")  # noqa: E731 - "paged|sdpa" inside a cell
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+class TritonCompileLog:
+    """Counts the Triton kernels compiled (or loaded from the disk cache) inside a ``with``.
+
+    A compile in the middle of a timed run stalls the host for milliseconds to seconds, so the
+    benchmarks report them next to the profile. Uses ``triton.knobs.runtime``'s cache and
+    post-compile hooks where this Triton has them (a no-op otherwise); earlier hooks still run.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []  # (kernel signature, seconds)
+        self._t0: float | None = None
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except Exception:  # noqa: BLE001 - no Triton, or one without knobs
+            self._rt = None
+            return self
+        self._rt = knobs.runtime
+        self._prev = (self._rt.jit_cache_hook, self._rt.jit_post_compile_hook)
+        prev_cache, prev_post = self._prev
+
+        def on_cache(*args, **kwargs):
+            self._t0 = time.perf_counter()
+            return prev_cache(*args, **kwargs) if prev_cache else None
+
+        def on_post(*args, **kwargs):
+            dt = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+            self.events.append((str(kwargs.get("repr", "?")), dt))
+            return prev_post(*args, **kwargs) if prev_post else None
+
+        self._rt.jit_cache_hook, self._rt.jit_post_compile_hook = on_cache, on_post
+        return self
+
+    def __exit__(self, *exc):
+        if self._rt is not None:
+            self._rt.jit_cache_hook, self._rt.jit_post_compile_hook = self._prev
+        return False
+
+    def summary(self) -> dict:
+        return {
+            "count": len(self.events),
+            "total_s": sum(dt for _, dt in self.events),
+            "kernels": [f"{dt * 1e3:.0f} ms {sig[:300]}" for sig, dt in self.events[:20]],
+        }
