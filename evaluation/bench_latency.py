@@ -144,7 +144,7 @@ def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: 
     t_end = time.perf_counter()
     n = out.shape[1] - ids.shape[1]
     assert n == n_new == len(timer.times), (n, n_new, len(timer.times))
-    row = _row(system, t0, timer.times, t_end, n_new)
+    row = _row(system, t0, timer.times, t_end, n_new, tokens=out[0, ids.shape[1] :].tolist())
     if static:
         row["compiled"] = hasattr(model, "_compiled_call")
         if not row["compiled"]:
@@ -178,7 +178,8 @@ def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
         # every step after the one that made token 1 makes one token (prefill may be chunked)
         token_times = times[len(times) - n :]
         row = _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
-                   engine_config=dataclasses.asdict(engine.config))  # fmt: skip
+                   engine_config=dataclasses.asdict(engine.config),
+                   tokens=list(done.outputs[0].token_ids))  # fmt: skip
         if device == "cpu" or ekw.get("enforce_eager"):
             row["label"] = "hf_paged LLM (eager)"
         return row
@@ -210,7 +211,7 @@ def run_dispatch(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
         release(model)
         free_memory(device)
     assert out.shape[1] - ids.shape[1] == n_new
-    return _row("dispatch", t0, [], t_end, n_new)
+    return _row("dispatch", t0, [], t_end, n_new, tokens=out[0, ids.shape[1] :].tolist())
 
 
 def main(argv=None) -> None:
@@ -280,6 +281,16 @@ def main(argv=None) -> None:
             r["total_vs_floor"] = r["total_ms_per_token"] / floor_ms
             if "decode_ms_per_token" in r:
                 r["decode_vs_floor"] = r["decode_ms_per_token"] / floor_ms
+    # greedy agreement with stock: a fused kernel that computed the wrong thing diverges at once
+    ref = next((r for r in rows if r["system"] in ("dynamic", "static") and "tokens" in r), None)
+    for r in rows:
+        if ref is not None and r is not ref and "tokens" in r:
+            same = [a == b for a, b in zip(r["tokens"], ref["tokens"])]
+            r["agreement_vs_" + ref["system"]] = {
+                "exact_prefix": next((i for i, ok in enumerate(same) if not ok), len(same)),
+                "position_rate": sum(same) / max(len(same), 1),
+            }
+            log(f"{r['system']} vs {ref['system']}: {r['agreement_vs_' + ref['system']]}")
     fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     table = markdown_table(
         ["system", "TTFT ms", f"decode ms/token (/{args.new_tokens - 1})",

@@ -27,6 +27,7 @@ from itertools import chain
 import torch
 
 from hf_paged.config import SamplingParams
+from hf_paged.kernels.argmax import argmax_rows
 
 _NEG_INF = float("-inf")
 
@@ -258,11 +259,11 @@ class Sampler(torch.nn.Module):
         params = meta.params
         if all(p.greedy and p.logprobs is None for p in params) and not _needs_penalties(meta):
             # casting is monotonic: argmax of the model's dtype equals argmax in fp32
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(token_ids=argmax_rows(logits), logprobs=None)
         logits = apply_penalties(logits.float(), meta)  # [B, V] fp32
         dev = logits.device
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        token_ids = logits.argmax(dim=-1) if len(sample_rows) < b else None  # [B] greedy
+        token_ids = argmax_rows(logits) if len(sample_rows) < b else None  # [B] greedy
         if sample_rows:
             idx = torch.tensor(sample_rows, device=dev) if len(sample_rows) < b else None
             rows = logits if idx is None else logits.index_select(0, idx)  # [S, V]

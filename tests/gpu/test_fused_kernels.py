@@ -200,3 +200,37 @@ def test_kernels_replay_in_cuda_graph():
         graph.replay()
         for got, want in zip(outs, step(False, new)):
             _assert_matches(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 128256), (4, 151936), (256, 151936), (3, 4097), (2, 1)])
+def test_argmax_matches_torch(dtype, shape):
+    from hf_paged.kernels.argmax import argmax
+
+    b, v = shape
+    x = _randn(b, v, dtype=dtype, seed=v)
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    # bf16 logits tie often: the maximum repeated, the first index wins
+    x[:, v // 2] = 30.0
+    x[:, v - 1] = 30.0
+    x[:, min(5, v - 1)] = 30.0
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    x[b - 1, v - 1] = float("nan")  # NaN beats everything
+    x[0, :] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    rows = x[:, : max(v - 1, 1)]  # a strided view
+    assert torch.equal(argmax(rows), rows.argmax(dim=-1))
+
+
+def test_argmax_replays_in_a_graph():
+    from hf_paged.kernels.argmax import argmax
+
+    x = _randn(8, 128256, dtype=torch.bfloat16)
+    argmax(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax(x)
+    x.copy_(_randn(8, 128256, dtype=torch.bfloat16, seed=3))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x.argmax(dim=-1))
