@@ -38,8 +38,28 @@ except ImportError:  # CPU-only installs
 MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
 # HF_PAGED_SKINNY_GEMM=0 keeps every linear layer on cuBLAS (A/B measurements); read at import
 _ENABLED = os.environ.get("HF_PAGED_SKINNY_GEMM", "1") != "0"
-# HF_PAGED_SKINNY_PROLOGUES=0 keeps the norm and the activation in their own kernels (A/B)
-_PROLOGUES = os.environ.get("HF_PAGED_SKINNY_PROLOGUES", "1") != "0"
+PROLOGUE_NAMES = ("norm", "silu")
+
+
+def parse_prologues(value: str) -> frozenset[str]:
+    """``HF_PAGED_SKINNY_PROLOGUES``: which elementwise kernels the layers fold into the skinny
+    GEMM: ``1``/``all`` (both), ``0``/``none``, or a comma list of ``norm``, ``silu``."""
+    v = value.strip().lower()
+    if v in ("1", "all"):
+        return frozenset(PROLOGUE_NAMES)
+    if v in ("0", "none", ""):
+        return frozenset()
+    names = frozenset(x.strip() for x in v.split(",") if x.strip())
+    if not names <= set(PROLOGUE_NAMES):
+        raise ValueError(
+            f"HF_PAGED_SKINNY_PROLOGUES={value!r} is not allowed: use 1, all, 0, none or a comma "
+            f"list of {', '.join(PROLOGUE_NAMES)}"
+        )
+    return names
+
+
+# read at import; the benchmarks' A/B runs reassign it before building an engine
+PROLOGUES = parse_prologues(os.environ.get("HF_PAGED_SKINNY_PROLOGUES", "all"))
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen per shape by ``_config``
 DEFAULT_CONFIG = (32, 128, 4, 3)
@@ -98,7 +118,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """``linear(silu(gate) * up, weight)`` for ``gate_up = [gate | up]``; one launch where
     ``linear`` would take the skinny kernel, else the fused activation then ``linear``."""
     k = weight.shape[-1]
-    if _PROLOGUES and gate_up.dim() == 2 and gate_up.shape[1] == 2 * k:
+    if "silu" in PROLOGUES and gate_up.dim() == 2 and gate_up.shape[1] == 2 * k:
         if dispatches(gate_up.shape[0], gate_up[:, :k], weight, None):
             return silu_mul_gemm(gate_up, weight)
     return linear(fused_act.silu_and_mul_any(gate_up), weight)
@@ -107,7 +127,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 def norm_linear_fusable(x, residual, norm_weight, weight, bias) -> bool:
     """Whether :func:`rms_norm_gemm` serves ``linear(RMSNorm(x + residual), weight, bias)``."""
     return (
-        _PROLOGUES
+        "norm" in PROLOGUES
         and x.dim() == 2
         and dispatches(x.shape[0], x, weight, bias)
         and norm_weight.shape == (x.shape[1],)
@@ -215,13 +235,25 @@ def _config(n: int, k: int) -> tuple[int, int, int, int]:
     return DEFAULT_CONFIG
 
 
+def _prologue_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """``_config``'s tiles, with shorter K tiles / more warps where a prologue transforms x: its
+    math runs on all 16 padded rows, and the plain tiles spill registers there (sm_90 cubins:
+    the silu prologue at BLOCK_K 512 spilled 3,984 bytes per thread and ran ~15x slower)."""
+    block_n, block_k, warps, stages = _config(n, k)
+    if prologue == 1:
+        return block_n, min(block_k, 256), 8, stages
+    if prologue == 2:
+        return block_n, min(block_k, 128), 8 if block_n >= 64 else warps, stages
+    return block_n, block_k, warps, stages
+
+
 def _launch(x, weight, bias, config, prologue=0, k=None, norm=None):
     """Launch the kernel on prepared inputs; ``k`` is the GEMM's K (x is [M, 2K] for the gated
     prologue); ``norm`` = (norm_weight, eps, residual, new_residual) for the RMSNorm prologue."""
     m = x.shape[0]
     k = x.shape[1] if k is None else k
     n = weight.shape[0]
-    block_n, block_k, warps, stages = config or _config(n, k)
+    block_n, block_k, warps, stages = config or _prologue_config(prologue, n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     norm_w, eps, res, new_res = norm if norm is not None else (weight, 0.0, None, None)
     has_res = res is not None

@@ -149,5 +149,16 @@ def test_prologue_inputs_are_checked():
         rms_norm_gemm(x, torch.zeros(3, 64, dtype=torch.float16), torch.zeros(64).half(), 1e-6, w)
 
 
+def test_prologue_switch_values():
+    from hf_paged.kernels.skinny_gemm import parse_prologues
+
+    assert parse_prologues("1") == parse_prologues("all") == {"norm", "silu"}
+    assert parse_prologues("0") == parse_prologues("none") == set()
+    assert parse_prologues(" norm ") == {"norm"}
+    assert parse_prologues("silu,norm") == {"norm", "silu"}
+    with pytest.raises(ValueError, match="HF_PAGED_SKINNY_PROLOGUES='gelu'.*norm, silu"):
+        parse_prologues("gelu")
+
+
 if __name__ == "__main__":
     interpret_main(_cases())
