@@ -95,7 +95,7 @@ def copy_bandwidth(device, gib: float, reps: int = 10) -> float:
 
 def _row(system: str, t0: float, token_times: list[float], t_end: float, n_new: int, **extra):
     """Latency numbers from the times at which tokens 1..n were ready (None: total only)."""
-    row = {"system": system, "label": LABELS.get(system, system), "new_tokens": n_new,
+    row = {"system": system, "label": LABELS[system], "new_tokens": n_new,
            "total_s": t_end - t0, "total_ms_per_token": (t_end - t0) / n_new * 1e3, **extra}  # fmt: skip
     if token_times:
         ttft = token_times[0] - t0
@@ -153,7 +153,7 @@ def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: 
     return row
 
 
-def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict, system: str = "llm") -> dict:
+def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)
@@ -177,13 +177,11 @@ def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict, system: str = 
         assert n == n_new, (n, n_new)
         # every step after the one that made token 1 makes one token (prefill may be chunked)
         token_times = times[len(times) - n :]
-        row = _row(system, t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
+        row = _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
                    engine_config=dataclasses.asdict(engine.config),
                    tokens=list(done.outputs[0].token_ids))  # fmt: skip
         if device == "cpu" or ekw.get("enforce_eager"):
             row["label"] = "hf_paged LLM (eager)"
-        if system != "llm":
-            row["label"] = f"{LABELS['llm'] if device != 'cpu' else row['label']} {system[3:]}"
         return row
     finally:
         llm.close()
@@ -222,11 +220,6 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument(
-        "--prologue-variants", nargs="*", default=[], metavar="VALUE",
-        help="extra hf_paged LLM rows, one per HF_PAGED_SKINNY_PROLOGUES value (none, norm, "
-        "silu, all), in this process after the default row (A/B of the skinny GEMM prologues)",
-    )  # fmt: skip
     p.add_argument("--skip-dynamic", action="store_true", help="drop stock dynamic (~15 s)")
     p.add_argument("--static-warmups", type=int, default=2)
     p.add_argument("--copy-gib", type=float, default=2.0, help="copy-bandwidth buffer size")
@@ -273,18 +266,6 @@ def main(argv=None) -> None:
         log(f"{s}: start ({mem_str(device)})")
         if s == "llm":
             rows.append(run_llm(model, prompt, warm_prompt, args.new_tokens, device, ekw))
-            for value in args.prologue_variants:
-                from hf_paged.kernels import skinny_gemm
-
-                default = skinny_gemm.PROLOGUES
-                skinny_gemm.PROLOGUES = skinny_gemm.parse_prologues(value)
-                try:
-                    log(f"llm, prologues={value}: start")
-                    row = run_llm(model, prompt, warm_prompt, args.new_tokens, device, ekw,
-                                  system=f"llm[prologues={value}]")  # fmt: skip
-                finally:
-                    skinny_gemm.PROLOGUES = default
-                rows.append(row)
         elif s == "dispatch":
             rows.append(run_dispatch(model, prompt, warm_prompt, args.new_tokens, device, ekw))
         else:

@@ -44,11 +44,6 @@ def supports(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and _problem(x) is None
 
 
-def silu_and_mul_any(x: torch.Tensor) -> torch.Tensor:
-    """The kernel where it takes ``x``, else the torch reference."""
-    return silu_and_mul(x) if supports(x) else silu_and_mul_ref(x)
-
-
 if triton is not None:
 
     @triton.jit

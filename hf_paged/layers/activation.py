@@ -15,4 +15,6 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where ``x = [gate | up]`` along the last dim: [T, 2I] -> [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_act.silu_and_mul_any(x)
+        if fused_act.supports(x):
+            return fused_act.silu_and_mul(x)
+        return fused_act.silu_and_mul_ref(x)

@@ -13,8 +13,7 @@ from torch import nn
 
 from hf_paged.kernels import fused_norm
 from hf_paged.kernels.fused_norm import fused_add_rms_norm_ref, rms_norm_ref
-from hf_paged.kernels.skinny_gemm import norm_linear_fusable, rms_norm_gemm
-from hf_paged.layers.linear import LinearBase, check_shape, read_shard
+from hf_paged.layers.linear import check_shape, read_shard
 
 
 class RMSNorm(nn.Module):
@@ -46,22 +45,6 @@ class RMSNorm(nn.Module):
         if fused:
             return fused_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
-
-    def then_linear(
-        self, proj: LinearBase, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(proj(norm(x + residual)), x + residual)``; with ``residual`` None,
-        ``(proj(norm(x)), x)`` (the first decoder layer's residual is its input). One launch
-        where the skinny kernel takes ``proj`` (a few rows of a large weight on CUDA)."""
-        if type(proj).forward is LinearBase.forward and norm_linear_fusable(
-            x, residual, self.weight, proj.weight, proj.bias
-        ):
-            y, new_res = rms_norm_gemm(x, residual, self.weight, self.eps, proj.weight)
-            return y, (x if new_res is None else new_res)
-        if residual is None:
-            return proj(self(x)), x
-        h, residual = self(x, residual)
-        return proj(h), residual
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

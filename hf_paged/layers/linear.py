@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.kernels.skinny_gemm import linear, silu_mul_linear
+from hf_paged.kernels.skinny_gemm import linear
 
 
 def loaded_shape(loaded: Any) -> tuple[int, ...]:
@@ -238,10 +238,8 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor, silu_gated: bool = False) -> torch.Tensor:
-        """[T, in/tp] -> [T, out]; with ``silu_gated`` x is a [gate | up] pair [T, 2 * in/tp]
-        and the layer applies ``silu(gate) * up`` first (one launch with the skinny kernel)."""
-        y = silu_mul_linear(x, self.weight) if silu_gated else linear(x, self.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
+        y = linear(x, self.weight)
         y = self.comm.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
+from hf_paged.layers.activation import SiluAndMul
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
@@ -96,13 +97,13 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output
+        hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()  # Qwen3: per-head RMSNorm
@@ -127,10 +128,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, hf_config.hidden_size, bias=opts.mlp_bias, comm=ctx.comm
         )
+        self.act_fn = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, hidden]
-        """From gate_up_proj's output (the decoder layer fuses it with the norm before)."""
-        return self.down_proj(gate_up, silu_gated=True)  # silu(gate) * up, then down
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,13 +151,14 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm runs with the projection after it (one launch at decode batch sizes)
-        qkv, residual = self.input_layernorm.then_linear(self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn(qkv, cos, sin, meta)
-        gate_up, residual = self.post_attention_layernorm.then_linear(
-            self.mlp.gate_up_proj, hidden, residual
-        )
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
