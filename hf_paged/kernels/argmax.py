@@ -44,7 +44,7 @@ def supports(logits: torch.Tensor) -> bool:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (int64 [B]) with the kernels where they take ``logits``."""
-    return argmax(logits) if supports(logits) else logits.argmax(dim=-1)
+    return _launch(logits) if supports(logits) else logits.argmax(dim=-1)
 
 
 if triton is not None:
@@ -100,15 +100,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> int64 [B]
     problem = _problem(logits)
     if problem is not None:
         raise ValueError(f"unsupported input for argmax: {problem}")
+    return _launch(logits)
+
+
+def _launch(logits: torch.Tensor) -> torch.Tensor:  # inputs already checked
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
     chunks = triton.cdiv(v, BLOCK)
-    dev = logits.device
-    part_max = torch.empty(b * chunks, dtype=torch.float32, device=dev)
-    part_idx = torch.empty(b * chunks, dtype=torch.int32, device=dev)
-    part_nan = torch.empty(b * chunks, dtype=torch.int32, device=dev)
-    out = torch.empty(b, dtype=torch.int64, device=dev)
+    # one allocation per call for the per-chunk (max, index, first NaN) triples; each segment
+    # 16-byte aligned, so Triton's pointer specialization does not change with the batch size
+    seg = triton.cdiv(b * chunks, 4) * 4
+    part = torch.empty(3, seg, dtype=torch.int32, device=logits.device)
+    part_max, part_idx, part_nan = part[0].view(torch.float32), part[1], part[2]
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
     _argmax_chunk_kernel[(b, chunks)](
         logits, part_max, part_idx, part_nan, logits.stride(0), v, NUM_CHUNKS=chunks,
         BLOCK=BLOCK, NONE=_NONE, num_warps=8,
