@@ -220,6 +220,8 @@ def environment() -> dict:
         "argv": sys.argv,
         "date_utc": utc_stamp(),
         "pythonunbuffered": os.environ.get("PYTHONUNBUFFERED"),
+        # the A/B switches (HF_PAGED_PDL, HF_PAGED_SKINNY_GEMM, HF_PAGED_FUSED, ...)
+        "hf_paged_env": {k: v for k, v in os.environ.items() if k.startswith("HF_PAGED_")},
     }
 
 

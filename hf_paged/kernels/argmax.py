@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.kernels import fused_enabled
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -48,12 +49,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _argmax_chunk_kernel(
         x_ptr, max_ptr, idx_ptr, nan_ptr, stride_x, V, NUM_CHUNKS: tl.constexpr,
         BLOCK: tl.constexpr, NONE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -74,7 +78,9 @@ if triton is not None:
     def _argmax_reduce_kernel(
         max_ptr, idx_ptr, nan_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
         NONE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK_C)
         mask = c < NUM_CHUNKS
@@ -117,9 +123,11 @@ def _launch(logits: torch.Tensor) -> torch.Tensor:  # inputs already checked
     _argmax_chunk_kernel[(b, chunks)](
         logits, part_max, part_idx, part_nan, logits.stride(0), v, NUM_CHUNKS=chunks,
         BLOCK=BLOCK, NONE=_NONE, num_warps=8,
+        **pdl_kwargs(logits),
     )  # fmt: skip
     _argmax_reduce_kernel[(b,)](
         part_max, part_idx, part_nan, out, NUM_CHUNKS=chunks,
         BLOCK_C=max(triton.next_power_of_2(chunks), 2), NONE=_NONE, num_warps=1,
+        **pdl_kwargs(logits),
     )  # fmt: skip
     return out

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import fused_enabled
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -45,6 +46,7 @@ def supports(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -54,7 +56,9 @@ if triton is not None:
         stride_o,
         inter,  # I: width of gate, up and out
         BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -84,6 +88,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         grid = (x2.shape[0], triton.cdiv(inter, BLOCK))
         _silu_and_mul_kernel[grid](
-            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=BLOCK, num_warps=4
+            x2,
+            out2,
+            x2.stride(0),
+            out2.stride(0),
+            inter,
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl_kwargs(x2),
         )
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.kernels import fused_enabled
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -70,6 +71,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _rms_norm_kernel(
@@ -86,7 +88,9 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -145,6 +149,7 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=_num_warps(block),
+            **pdl_kwargs(x2),
         )
     return out, new_res
 

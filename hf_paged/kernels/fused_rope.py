@@ -19,6 +19,7 @@ import torch
 
 from hf_paged.kernels import fused_enabled
 from hf_paged.kernels.fused_norm import rms_norm_ref
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -105,6 +106,7 @@ def supports(
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _norm_rope_heads(
@@ -194,7 +196,9 @@ if triton is not None:
         STORE_KV: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         token = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         if block < num_q_blocks:
@@ -296,5 +300,6 @@ def launch_checked(q, k, cos, sin, q_weight, k_weight, eps, kv_cache):
         # no FMA contraction: it would fuse a rounded product into the add (fma.rn.bf16) and
         # skip the rounding torch does there (checked in the PTX for sm_90)
         enable_fp_fusion=False,
+        **pdl_kwargs(q),
     )  # fmt: skip
     return q_out, k_out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.kernels.pdl import pdl_kwargs
+
 try:
     import triton
     import triton.language as tl
@@ -32,6 +34,7 @@ def store_kvcache_ref(
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _store_kvcache_kernel(
@@ -52,7 +55,9 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + token)  # int64
         if slot < 0:
@@ -117,4 +122,5 @@ def store_kvcache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl_kwargs(k),
     )

@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from hf_paged.kernels.pdl import pdl_kwargs
+
 try:
     import triton
     import triton.language as tl
@@ -59,6 +61,7 @@ def paged_decode_ref(
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _partition_bounds(
@@ -102,7 +105,9 @@ if triton is not None:
         NUM_PARTITIONS: tl.constexpr,
         MIN_PART: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         part = tl.program_id(2)
@@ -170,7 +175,9 @@ if triton is not None:
         NUM_PARTITIONS: tl.constexpr,
         MIN_PART: tl.constexpr,
         BLOCK_P: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         ctx = tl.load(context_lens_ptr + seq)
@@ -298,6 +305,7 @@ def paged_decode(
         MIN_PART=min_part,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,
+        **pdl_kwargs(q),
     )
     if num_partitions > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
@@ -316,6 +324,7 @@ def paged_decode(
             MIN_PART=min_part,
             BLOCK_P=triton.next_power_of_2(num_partitions),
             num_warps=4,
+            **pdl_kwargs(q),
         )
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.kernels.paged_decode import LOG2E, check_attention_inputs
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -61,6 +62,7 @@ def paged_prefill_ref(
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _attend_tile(
@@ -141,7 +143,9 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) blocks start first
         kv_head = tl.program_id(1)
         seq = tl.program_id(2)
@@ -281,5 +285,6 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,
+        **pdl_kwargs(q),
     )
     return out

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import fused_enabled
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -78,6 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 if triton is not None:
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per weight for every row count
     def _skinny_gemm_kernel(
@@ -95,7 +97,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,5 +158,6 @@ def skinny_gemm(
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
+        **pdl_kwargs(x),
     )  # fmt: skip
     return y
