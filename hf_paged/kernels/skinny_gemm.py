@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import fused_enabled
-from hf_paged.kernels.pdl import pdl_kwargs
+from hf_paged.kernels.pdl import pdl_enabled, pdl_kwargs
 
 try:
     import triton
@@ -29,6 +29,8 @@ except ImportError:  # CPU-only installs
 MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
 # HF_PAGED_SKINNY_GEMM=0 keeps every linear layer on cuBLAS (A/B measurements); read at import
 _ENABLED = os.environ.get("HF_PAGED_SKINNY_GEMM", "1") != "0"
+# Under PDL, load the first weight tile before waiting on the kernel before (A/B switch)
+_PREFETCH = os.environ.get("HF_PAGED_PDL_PREFETCH", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen per shape by ``_config``
 DEFAULT_CONFIG = (32, 128, 4, 3)
@@ -98,8 +100,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,7 +111,20 @@ if triton is not None:
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = 0
+        if PREFETCH:
+            # The weights do not depend on the kernel before: under PDL the first K tile is
+            # loaded while that kernel finishes, then the loop starts at the second tile.
+            w0 = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+            pdl_enter(USE_PDL)
+            x0 = tl.load(x_ptrs, mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
+            acc = tl.dot(x0, tl.trans(w0), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            k_start = BLOCK_K
+        else:
+            pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        for k0 in range(k_start, K, BLOCK_K):
             k_mask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -157,7 +172,7 @@ def skinny_gemm(
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, PREFETCH=_PREFETCH and pdl_enabled(x),
         **pdl_kwargs(x),
     )  # fmt: skip
     return y
