@@ -1,6 +1,7 @@
-"""Programmatic dependent launch (``HF_PAGED_PDL=1``, kernels/pdl.py) on Hopper: every kernel
-gives the same bits launched with PDL as without, eagerly and in CUDA-graph replay, and the
-engine's greedy tokens do not change (fp32 parity with stock HF generate, bf16 equal to PDL off).
+"""Programmatic dependent launch (kernels/pdl.py, on by default, ``HF_PAGED_PDL=0`` off) on
+Hopper: every kernel gives the same bits launched with PDL (with and without the L2 prefetch
+before the wait) as without, eagerly and in CUDA-graph replay, and the engine's greedy tokens
+do not change (fp32 parity with stock HF generate, bf16 equal to PDL off).
 """
 
 from __future__ import annotations
@@ -59,10 +60,13 @@ def _inputs():
     )
 
 
-def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch):
+@pytest.mark.parametrize("prefetch_bytes", [0, 8 * 2**20, 2**30])
+def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch_bytes):
     inp = _inputs()
+    monkeypatch.setattr(pdl, "_REQUESTED", False)
     ref = _chain(**inp)
     monkeypatch.setattr(pdl, "_REQUESTED", True)
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch_bytes)
     assert pdl.pdl_kwargs(inp["x"]) == {"USE_PDL": True, "launch_pdl": True}
     got = _chain(**inp)
     for a, b in zip(ref, got):
@@ -86,6 +90,7 @@ def test_engine_tokens_unchanged_with_pdl(tmp_path, monkeypatch):
 
     path = save_tiny_model("qwen3", str(tmp_path / "qwen3"))
     ps = prompts(12, seed=5)
+    monkeypatch.setattr(pdl, "_REQUESTED", False)
     off_bf16, _ = ours(path, ps, dtype="bfloat16")
     monkeypatch.setattr(pdl, "_REQUESTED", True)
     on_fp32, graphs = ours(path, ps, dtype="float32")
