@@ -11,7 +11,8 @@ and total / 256.
   inductor, ``reduce-overhead``). Warmed up ``--static-warmups`` times (default 2) with the same
   shapes before timing; the result records whether ``model._compiled_call`` exists.
 * ``llm``: ``hf_paged.LLM(model)`` (decode CUDA graphs on unless ``--enforce-eager``), stepped
-  through its engine so TTFT is the end of the step that produced token 1.
+  through its engine so TTFT is the end of the step that produced token 1. ``--repeats``
+  (default 3) timed generations of distinct prompts; the row is the median one, all are listed.
 * ``dispatch``: ``generate(backend="paged")`` on the native path: total / 256 only (a timing
   stopping criterion would move it to the external-sampling path).
 
@@ -153,7 +154,10 @@ def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: 
     return row
 
 
-def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
+def run_llm(model, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
+    """One timed generation per prompt (distinct prompts: no prefix hits); the row is the
+    repeat with the median decode ms/token, with every repeat listed. Tokens: the first
+    prompt's (the one stock runs)."""
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)
@@ -164,22 +168,30 @@ def run_llm(model, prompt, warm_prompt, n_new, device, ekw: dict) -> dict:
     try:
         llm.generate([warm_prompt], params, use_tqdm=False)  # a different prompt: no prefix hit
         engine = llm.engine
-        rid = engine.add_request(prompt, params)
-        times, done = [], None
-        sync(device)
-        t0 = time.perf_counter()
-        while done is None:
-            res = engine.step()  # returns once the step's tokens are on the host
-            times.append(time.perf_counter())
-            done = next((o for o in res.finished if o.request_id == rid), None)
-        t_end = times[-1]
-        n = len(done.outputs[0].token_ids)
-        assert n == n_new, (n, n_new)
-        # every step after the one that made token 1 makes one token (prefill may be chunked)
-        token_times = times[len(times) - n :]
-        row = _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=len(times),
-                   engine_config=dataclasses.asdict(engine.config),
-                   tokens=list(done.outputs[0].token_ids))  # fmt: skip
+        runs = []
+        for prompt in prompts:
+            rid = engine.add_request(prompt, params)
+            times, done = [], None
+            sync(device)
+            t0 = time.perf_counter()
+            while done is None:
+                res = engine.step()  # returns once the step's tokens are on the host
+                times.append(time.perf_counter())
+                done = next((o for o in res.finished if o.request_id == rid), None)
+            n = len(done.outputs[0].token_ids)
+            assert n == n_new, (n, n_new)
+            # every step after the one that made token 1 makes one token (prefill may be chunked)
+            runs.append((t0, times[len(times) - n :], times[-1], len(times),
+                         list(done.outputs[0].token_ids)))  # fmt: skip
+        decode = [(r[1][-1] - r[1][0]) / (n_new - 1) * 1e3 for r in runs]
+        mid = sorted(range(len(runs)), key=decode.__getitem__)[len(runs) // 2]
+        t0, token_times, t_end, steps, _ = runs[mid]
+        row = _row("llm", t0, token_times, t_end, n_new, startup_s=startup, steps=steps,
+                   engine_config=dataclasses.asdict(engine.config), tokens=runs[0][4],
+                   repeats_decode_ms_per_token=decode,
+                   repeats_ttft_ms=[(r[1][0] - r[0]) * 1e3 for r in runs])  # fmt: skip
+        log(f"llm: decode ms/token of the {len(runs)} repeats: "
+            + ", ".join(f"{d:.3f}" for d in decode) + " (row = median)")  # fmt: skip
         if device == "cpu" or ekw.get("enforce_eager"):
             row["label"] = "hf_paged LLM (eager)"
         return row
@@ -222,6 +234,9 @@ def main(argv=None) -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--skip-dynamic", action="store_true", help="drop stock dynamic (~15 s)")
     p.add_argument("--static-warmups", type=int, default=2)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed llm generations (the median is reported)"
+    )
     p.add_argument("--copy-gib", type=float, default=2.0, help="copy-bandwidth buffer size")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -245,6 +260,12 @@ def main(argv=None) -> None:
     vocab = 500 if args.smoke else 10000
     (prompt,), _ = make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=0)
     (warm_prompt,), _ = make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=1)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    llm_prompts = [prompt] + [
+        make_requests(1, (args.prompt_len,) * 2, (1, 1), vocab, seed=2 + i)[0][0]
+        for i in range(args.repeats - 1)
+    ]
     ekw = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "enforce_eager": args.enforce_eager,
            "async_scheduling": (False if args.sync_scheduling else None)}  # fmt: skip
@@ -265,7 +286,7 @@ def main(argv=None) -> None:
     for s in systems:  # ours first: the compiled static path keeps its graph pools afterwards
         log(f"{s}: start ({mem_str(device)})")
         if s == "llm":
-            rows.append(run_llm(model, prompt, warm_prompt, args.new_tokens, device, ekw))
+            rows.append(run_llm(model, llm_prompts, warm_prompt, args.new_tokens, device, ekw))
         elif s == "dispatch":
             rows.append(run_dispatch(model, prompt, warm_prompt, args.new_tokens, device, ekw))
         else:

@@ -57,7 +57,7 @@ if triton is not None:
         BLOCK: tl.constexpr, NONE: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):  # fmt: skip
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -80,7 +80,7 @@ if triton is not None:
         NONE: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):  # fmt: skip
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK_C)
         mask = c < NUM_CHUNKS

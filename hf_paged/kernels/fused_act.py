@@ -58,7 +58,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter

@@ -198,7 +198,7 @@ if triton is not None:
         BLOCK_HALF: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         token = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         if block < num_q_blocks:

@@ -19,7 +19,6 @@ import functools
 
 import torch
 
-from hf_paged.kernels import pdl
 from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
@@ -62,7 +61,7 @@ def paged_decode_ref(
 
 
 if triton is not None:
-    from hf_paged.kernels.pdl import pdl_enter, prefetch_l2
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
     def _partition_bounds(
@@ -107,30 +106,18 @@ if triton is not None:
         MIN_PART: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
-        KV_LINES: tl.constexpr,  # L2 lines per key row prefetched before the wait (0 = none)
-        LINE_ELEMS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         part = tl.program_id(2)
-        # Before the wait (kernels/pdl.py): context lengths and block tables come from the
-        # step's metadata copy and K/V before this token from earlier steps, none from the
-        # kernel right before (which writes q and this token's K/V).
+        # Before the wait (kernels/pdl.py): the context length comes from the step's metadata
+        # copy, not from the kernel right before (which writes q and this token's K/V).
         ctx = tl.load(context_lens_ptr + seq)
         kv_start, part_len = _partition_bounds(ctx, NUM_PARTITIONS, TILE_N, MIN_PART, WINDOW)
         start = kv_start + part * part_len
         end = tl.minimum(start + part_len, ctx)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         kv_head_off = kv_head.to(tl.int64) * stride_ch
-        if KV_LINES > 0:  # ask L2 for the first K/V tile (coherent, so the new token's is fine)
-            k_pos = start + tl.arange(0, TILE_N)
-            valid = k_pos < end
-            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv_off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_off
-            line = tl.arange(0, KV_LINES) * LINE_ELEMS
-            pf_off = kv_off[:, None] + line[None, :]
-            prefetch_l2(k_cache_ptr + pf_off, valid[:, None], k_cache_ptr)
-            prefetch_l2(v_cache_ptr + pf_off, valid[:, None], v_cache_ptr)
         pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         if NUM_PARTITIONS > 1:
             if start >= end:  # empty partition: the reduce kernel never reads it
@@ -291,10 +278,6 @@ def paged_decode(
         part_out = part_m = part_l = out
     window = sliding_window or 0
     pdl_args = pdl_kwargs(q)
-    size = k_cache.element_size()
-    kv_lines = 0
-    if pdl_args["USE_PDL"] and pdl.PREFETCH_BYTES > 0:
-        kv_lines = max(1, head_dim * size // pdl.L2_LINE)
     min_part = triton.cdiv(MIN_PARTITION, cfg["TILE_N"]) * cfg["TILE_N"]
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q,
@@ -324,8 +307,6 @@ def paged_decode(
         NUM_PARTITIONS=num_partitions,
         MIN_PART=min_part,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_LINES=kv_lines,
-        LINE_ELEMS=pdl.L2_LINE // size,
         **cfg,
         **pdl_args,
     )

@@ -145,7 +145,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+        pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) blocks start first
         kv_head = tl.program_id(1)
         seq = tl.program_id(2)

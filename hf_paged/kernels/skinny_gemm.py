@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import fused_enabled
-from hf_paged.kernels import pdl
 from hf_paged.kernels.pdl import pdl_enabled, pdl_kwargs
 
 try:
@@ -30,8 +29,7 @@ except ImportError:  # CPU-only installs
 MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
 # HF_PAGED_SKINNY_GEMM=0 keeps every linear layer on cuBLAS (A/B measurements); read at import
 _ENABLED = os.environ.get("HF_PAGED_SKINNY_GEMM", "1") != "0"
-# Under PDL, load the first weight tile (and ask L2 for the next lines, pdl.PREFETCH_BYTES)
-# before waiting on the kernel before (A/B switch)
+# Under PDL, load the first weight tile before waiting on the kernel before (A/B switch)
 _PREFETCH = os.environ.get("HF_PAGED_PDL_PREFETCH", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen per shape by ``_config``
@@ -83,7 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 if triton is not None:
-    from hf_paged.kernels.pdl import pdl_enter, prefetch_l2
+    from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit(do_not_specialize=["M"])  # one compiled variant per weight for every row count
     def _skinny_gemm_kernel(
@@ -103,8 +101,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         PREFETCH: tl.constexpr,
-        PF_LINES: tl.constexpr,
-        LINE_ELEMS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
@@ -120,10 +116,6 @@ if triton is not None:
             # The weights do not depend on the kernel before: under PDL the first K tile is
             # loaded while that kernel finishes, then the loop starts at the second tile.
             w0 = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-            if PF_LINES > 0:  # and the next PF_LINES 128-byte lines of each row into L2
-                cols = BLOCK_K + tl.arange(0, PF_LINES) * LINE_ELEMS
-                pf = w_ptr + rn[:, None].to(tl.int64) * stride_wn + cols[None, :]
-                prefetch_l2(pf, n_mask[:, None] & (cols < K)[None, :], w_ptr)
             pdl_enter(USE_PDL)
             x0 = tl.load(x_ptrs, mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)
             acc = tl.dot(x0, tl.trans(w0), acc)
@@ -131,7 +123,7 @@ if triton is not None:
             w_ptrs += BLOCK_K
             k_start = BLOCK_K
         else:
-            pdl_enter(USE_PDL)  # no-op unless HF_PAGED_PDL=1 (kernels/pdl.py)
+            pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         for k0 in range(k_start, K, BLOCK_K):
             k_mask = (k0 + rk) < K
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -176,15 +168,11 @@ def skinny_gemm(
     block_n, block_k, warps, stages = config or _config(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n),)
-    prefetch = _PREFETCH and pdl_enabled(x)
-    size = weight.element_size()
-    pf_lines = pdl.prefetch_lines(n, k * size, block_k * size) if prefetch else 0
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, PREFETCH=prefetch,
-        PF_LINES=pf_lines, LINE_ELEMS=pdl.L2_LINE // size,
+        num_warps=warps, num_stages=stages, PREFETCH=_PREFETCH and pdl_enabled(x),
         **pdl_kwargs(x),
     )  # fmt: skip
     return y

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py, on by default, ``HF_PAGED_PDL=0`` off) on
-Hopper: every kernel gives the same bits launched with PDL (with and without the L2 prefetch
-before the wait) as without, eagerly and in CUDA-graph replay, and the engine's greedy tokens
+Hopper: every kernel gives the same bits launched with PDL (with and without the skinny GEMM's
+first weight tile loaded before the wait) as without, eagerly and in CUDA-graph replay, and the engine's greedy tokens
 do not change (fp32 parity with stock HF generate, bf16 equal to PDL off).
 """
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from hf_paged.kernels import pdl  # noqa: E402
+from hf_paged.kernels import pdl, skinny_gemm  # noqa: E402
 
 if not pdl._supported(torch.cuda.current_device()):
     pytest.skip(
@@ -60,13 +60,13 @@ def _inputs():
     )
 
 
-@pytest.mark.parametrize("prefetch_bytes", [0, 8 * 2**20, 2**30])
-def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch_bytes):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch):
     inp = _inputs()
     monkeypatch.setattr(pdl, "_REQUESTED", False)
     ref = _chain(**inp)
     monkeypatch.setattr(pdl, "_REQUESTED", True)
-    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch_bytes)
+    monkeypatch.setattr(skinny_gemm, "_PREFETCH", prefetch)
     assert pdl.pdl_kwargs(inp["x"]) == {"USE_PDL": True, "launch_pdl": True}
     got = _chain(**inp)
     for a, b in zip(ref, got):
