@@ -116,8 +116,6 @@ if triton is not None:
         kv_start, part_len = _partition_bounds(ctx, NUM_PARTITIONS, TILE_N, MIN_PART, WINDOW)
         start = kv_start + part * part_len
         end = tl.minimum(start + part_len, ctx)
-        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        kv_head_off = kv_head.to(tl.int64) * stride_ch
         pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         if NUM_PARTITIONS > 1:
             if start >= end:  # empty partition: the reduce kernel never reads it
@@ -134,6 +132,8 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        kv_head_off = kv_head.to(tl.int64) * stride_ch
         for tile_start in range(start, end, TILE_N):
             k_pos = tile_start + tl.arange(0, TILE_N)
             valid = k_pos < end

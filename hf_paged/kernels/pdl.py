@@ -10,13 +10,14 @@ which at decode batch 1 (~350 short kernels per step) is a measurable share of t
 Before the wait a kernel may read only what the kernel right before it does not write: every
 kernel waits before it releases the next, so all grids before the one right before this one
 have finished when this one starts. The skinny GEMM loads its first weight tile there; paged
-decode reads its context length and block table (written by the step's metadata copy).
+decode and its reduce read the context length (written by the step's metadata copy).
 
 Measured on one H200 (evaluation/bench_latency.py, L1 decode ms/token, one call each):
 4.42 with PDL and the first-tile load, 4.50 without that load, 4.51 without PDL (593ad34);
 4.34 with PDL, 4.45 without (2562d33). Asking L2 for the next weight lines and the first K/V
 tile before the wait (``prefetch.global.L2``) measured slower: 4.41 at 8 MB a kernel, 4.60
 at 32 MB, so it is not kept.
+
 Needs Triton with ``launch_pdl`` and ``tl.extra.cuda.gdc_wait``, and a device of compute
 capability 9.0 or later; otherwise kernels launch as before. CUDA graphs keep the programmatic
 edges (CUDA 12.3+).

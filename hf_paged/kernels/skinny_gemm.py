@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import fused_enabled
-from hf_paged.kernels.pdl import pdl_enabled, pdl_kwargs
+from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
     import triton
@@ -168,11 +168,12 @@ def skinny_gemm(
     block_n, block_k, warps, stages = config or _config(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n),)
+    pdl_args = pdl_kwargs(x)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, PREFETCH=_PREFETCH and pdl_enabled(x),
-        **pdl_kwargs(x),
+        num_warps=warps, num_stages=stages, PREFETCH=_PREFETCH and pdl_args["USE_PDL"],
+        **pdl_args,
     )  # fmt: skip
     return y
