@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_MODEL_IMPLS = ("auto", "native", "generic")  # as hf_paged.models.registry.MODEL_IMPLS
 
 
 def _bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -74,6 +75,9 @@ class EngineConfig:
             (one rank only; requests with penalties, logprobs or external sampling step
             synchronously). See ``engine/overlap.py``. None (default) = on for a single-rank
             CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
+        model_impl: which model path runs the model: "native" (our decoders), "generic" (HF's
+            own modules with our attention) or "auto" (native when the architecture has a
+            native implementation, else generic).
     """
 
     max_num_seqs: int = 256
@@ -91,6 +95,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     async_scheduling: bool | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -123,6 +128,8 @@ class EngineConfig:
             )
             if not ok:
                 raise _bad("device", dev, "None, 'cpu', 'cuda' or 'cuda:N'")
+        if self.model_impl not in _MODEL_IMPLS:
+            raise _bad("model_impl", self.model_impl, f"one of {list(_MODEL_IMPLS)}")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise _bad("attention_backend", self.attention_backend, "None or a backend name")
 
