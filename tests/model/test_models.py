@@ -16,14 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from hf_paged.attention.torch_ref import TorchRefBackend
 from hf_paged.layers.attention import Attention
-from hf_paged.models.context import ModelContext
+from hf_paged.layers.context import ModelContext
 from hf_paged.models.loader import load_weights
 from hf_paged.models.registry import build_model, get_model_class, is_supported
 from tests.helpers import (
     FAMILIES,
     ThreadGroup,
-    make_kv_cache,
     build_hf_model,
+    make_kv_cache,
     run_ranks,
     run_step,
     tiny_config,
