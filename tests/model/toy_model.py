@@ -20,20 +20,23 @@ from hf_paged.layers.rotary import apply_rotary_emb, default_inv_freq
 from hf_paged.models.protocol import KVCacheSpec
 
 ARCH = "ToyPagedForCausalLM"
-# (num_heads, num_kv_heads, head_dim, head_dim_v, softcap, layer rotates q/k itself)
+# per layer: (num_heads, num_kv_heads, head_dim, head_dim_v, softcap, layer rotates q/k itself);
+# a config may carry its own table as ``toy_layers``
 LAYERS = [(4, 2, 16, 16, None, True), (2, 1, 32, 24, 5.0, False)]
+# both layers within the Triton kernels' reach (uneven kv heads and head dims, no softcap)
+TRITON_LAYERS = [(4, 2, 16, 16, None, True), (2, 1, 32, 32, None, False)]
 
 
-def rope(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions[:, None].float() * default_inv_freq(10000.0, head_dim)[None, :]
+def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
     return emb.cos(), emb.sin()
 
 
 class ToyLayer(nn.Module):
-    def __init__(self, hidden: int, layer_idx: int, ctx: ModelContext):
+    def __init__(self, hidden: int, layer: tuple, layer_idx: int, ctx: ModelContext):
         super().__init__()
-        h, hkv, d, dv, softcap, self.own_rope = LAYERS[layer_idx]
+        h, hkv, d, dv, softcap, self.own_rope = layer
         self.shape = (h, hkv, d, dv)
         self.softcap = softcap
         self.q = nn.Linear(hidden, h * d, bias=False)
@@ -42,11 +45,13 @@ class ToyLayer(nn.Module):
         self.o = nn.Linear(h * dv, hidden, bias=False)
         spec = AttentionLayerSpec(h, hkv, d, d**-0.5, head_dim_v=dv, softcap=softcap)
         self.attn = Attention(spec, ctx, layer_idx)
+        # a buffer on the build device: no host-to-device copy inside a captured graph
+        self.register_buffer("inv_freq", default_inv_freq(10000.0, d), persistent=False)
 
     def forward(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
         h, hkv, d, _ = self.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
-        cos, sin = rope(positions, d)
+        cos, sin = rope(positions, self.inv_freq)
         if self.own_rope:
             return self.o(self.attn(q, k, v, meta, rope=RopeInputs(cos, sin)))
         q = apply_rotary_emb(q.view(-1, h, d), cos, sin)
@@ -56,7 +61,7 @@ class ToyLayer(nn.Module):
     def dense(self, x: torch.Tensor) -> torch.Tensor:  # [S, hidden], causal, no cache
         h, hkv, d, dv = self.shape
         s = x.shape[0]
-        cos, sin = rope(torch.arange(s), d)
+        cos, sin = rope(torch.arange(s, device=x.device), self.inv_freq)
         q = apply_rotary_emb(self.q(x).view(s, h, d), cos, sin).transpose(0, 1)  # [h, S, d]
         k = apply_rotary_emb(self.k(x).view(s, hkv, d), cos, sin).transpose(0, 1)
         v = self.v(x).view(s, hkv, dv).transpose(0, 1)  # [hkv, S, dv]
@@ -78,9 +83,10 @@ class ToyPagedForCausalLM(nn.Module):
         super().__init__()
         hidden = hf_config.hidden_size
         self.embed = nn.Embedding(hf_config.vocab_size, hidden)
-        self.layers = nn.ModuleList(ToyLayer(hidden, i, ctx) for i in range(len(LAYERS)))
+        table = [tuple(t) for t in getattr(hf_config, "toy_layers", None) or LAYERS]
+        self.layers = nn.ModuleList(ToyLayer(hidden, t, i, ctx) for i, t in enumerate(table))
         self.lm_head = nn.Linear(hidden, hf_config.vocab_size, bias=False)
-        self.kv_cache_specs = [KVCacheSpec(hkv, d, dv) for _, hkv, d, dv, _, _ in LAYERS]
+        self.kv_cache_specs = [KVCacheSpec(hkv, d, dv) for _, hkv, d, dv, _, _ in table]
 
     def load_weights(self, source) -> None:
         from safetensors.torch import load_file
@@ -109,9 +115,9 @@ class ToyPagedForCausalLM(nn.Module):
         return self.lm_head(x)
 
 
-def save_toy_model(path, seed: int = 0, vocab_size: int = 96, hidden_size: int = 32):
-    """Write config.json (a LlamaConfig naming ``ARCH``) and model.safetensors; returns the
-    model (fp32, random weights, scaled so greedy outputs vary)."""
+def save_toy_model(path, seed: int = 0, layers=None, vocab_size: int = 96, hidden_size: int = 32):
+    """Write config.json (a LlamaConfig naming ``ARCH``, with ``toy_layers``) and
+    model.safetensors; returns the model (fp32, random weights scaled so greedy outputs vary)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -120,7 +126,7 @@ def save_toy_model(path, seed: int = 0, vocab_size: int = 96, hidden_size: int =
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=len(LAYERS),
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        max_position_embeddings=128, architectures=[ARCH],
+        max_position_embeddings=128, architectures=[ARCH], toy_layers=layers or LAYERS,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = ToyPagedForCausalLM(config, ModelContext(TorchRefBackend()))
@@ -128,5 +134,6 @@ def save_toy_model(path, seed: int = 0, vocab_size: int = 96, hidden_size: int =
         for p in model.parameters():
             p.normal_(0.0, 0.5)
     config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(Path(path) / "model.safetensors"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(Path(path) / "model.safetensors"))
     return model.eval()
