@@ -1,5 +1,6 @@
 # Two entry points: `make demo` and `make test`. Both create .venv and install into it.
 # torch is pinned first: 2.13.0 is a CPU build on local disk; anything else downloads gigabytes.
+# The dev extra brings triton, so the Triton-interpreter suites run on CPU instead of skipping.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -16,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) examples/demo.py
 
+# -rs: a summary line with the reason of every skipped test (GPU tests skip on CPU)
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -rs
 
 lint: install
 	$(VENV)/bin/ruff check hf_paged tests examples evaluation

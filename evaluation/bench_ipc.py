@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from hf_paged import envs  # noqa: E402
 from hf_paged.distributed.communicator import Communicator  # noqa: E402
 from hf_paged.distributed.process_group import (  # noqa: E402
     create_process_group,
@@ -118,6 +119,8 @@ def machine_info() -> dict:
 
 
 def git_sha() -> str | None:
+    if envs.HF_PAGED_GIT_SHA:  # a copied tree may carry a stale .git
+        return envs.HF_PAGED_GIT_SHA
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         return out.stdout.strip() or None
@@ -167,6 +170,7 @@ def main() -> None:
         "git_sha": git_sha(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
+        "hf_paged_envs": envs.snapshot(),
         "message_bytes": message_bytes,
         "rows": rows,
         "tp2_overhead_median_us": round(overhead, 1),

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.testing
 
+from hf_paged import envs
 from hf_paged.kernels.kv_store import store_kvcache
 from hf_paged.kernels.paged_decode import default_num_partitions, paged_decode
 from hf_paged.kernels.paged_prefill import paged_prefill
@@ -164,6 +165,8 @@ def _try(fn, *args, **kwargs) -> dict:
 
 
 def _git_sha() -> str:
+    if envs.HF_PAGED_GIT_SHA:  # a copied tree may carry a stale .git
+        return envs.HF_PAGED_GIT_SHA
     try:
         cmd = ["git", "rev-parse", "HEAD"]
         return subprocess.check_output(cmd, text=True, stderr=subprocess.DEVNULL).strip()
@@ -200,6 +203,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "hf_paged_envs": envs.snapshot(),
         "results": rows,
     }
     out = Path(args.out or f"evaluation/results/kernels_{report['date']}.json")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from hf_paged import envs
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _T0 = time.perf_counter()
 
@@ -208,7 +210,7 @@ def environment() -> dict:
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         # the device copy of the tree may carry a stale .git: pass HF_PAGED_GIT_SHA=<sha> there
-        "git_sha": os.environ.get("HF_PAGED_GIT_SHA") or _git("rev-parse", "HEAD"),
+        "git_sha": envs.HF_PAGED_GIT_SHA or _git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -220,8 +222,8 @@ def environment() -> dict:
         "argv": sys.argv,
         "date_utc": utc_stamp(),
         "pythonunbuffered": os.environ.get("PYTHONUNBUFFERED"),
-        # the A/B switches (HF_PAGED_PDL, HF_PAGED_SKINNY_GEMM, HF_PAGED_FUSED, ...)
-        "hf_paged_env": {k: v for k, v in os.environ.items() if k.startswith("HF_PAGED_")},
+        # every HF_PAGED_* switch's value in this run, defaults included (hf_paged/envs.py)
+        "hf_paged_envs": envs.snapshot(),
     }
 
 

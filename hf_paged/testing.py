@@ -1,4 +1,10 @@
-"""Tiny local models and tokenizers for demos, examples and tests (nothing is downloaded)."""
+"""Tiny local models and tokenizers (nothing is downloaded), kept in the package for the demo.
+
+``make demo`` and the scripts in ``examples/`` build their model with :func:`save_demo_model` /
+:func:`save_tiny_model` from an installed package, without the tests; the tests reuse the same
+builders through ``tests/helpers.py``. Not part of the public API: ``hf_paged`` does not export
+anything from here, and it may change with the tests' needs.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Triton attention backend: paged KV store, split-K paged decode, paged prefill.
 
-Prefill reads K/V from the paged cache with our Triton kernel, also for pure prefill: on an
-H200 it ran 222 TFLOP/s on W1-like prompts against 158 for torch's aten FlashAttention-2 varlen
-kernel (evaluation/bench_kernels.py). The aten kernel, which reads the new K/V directly, is used
+Prefill reads K/V from the paged cache with our Triton kernel, also for pure prefill: on W1-like
+prompts it is faster than torch's aten FlashAttention-2 varlen kernel on an H200
+(evaluation/bench_kernels.py; figures in evaluation/results/RUNS.md). The aten kernel, which reads the new K/V directly, is used
 for pure prefill (no cached tokens) on CUDA in fp16/bf16 when asked (``use_flash_prefill``) or
 when the block tables cannot cover the contexts (e.g. a warm-up pass run before the KV cache
 exists). The decode path (store + paged decode) does no host sync and sizes everything from

@@ -1,8 +1,8 @@
 """ModelRunner: one per rank. Loads the model, owns the KV cache, turns a ModelInput into tensors,
 runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, samples.
 
-Construction, in order (the seed's contract): process group -> model + weights on the rank's
-device -> ``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``.
+Construction, in order: process group -> model + weights on the rank's device ->
+``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``.
 The model is any ``hf_paged.models.protocol.PagedModel``: the runner sizes the ``KVCache`` from
 its ``kv_cache_specs`` and passes the cache in every step's ``AttentionMetadata.kv_cache``.
 Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
@@ -12,11 +12,12 @@ Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whos
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from hf_paged import envs as hf_envs
 from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
@@ -40,6 +41,8 @@ class RunnerSpec:
     device: str  # resolved: "cpu" or "cuda:N" (rank 0's; rank r uses cuda:N+r)
     dtype: torch.dtype
     max_model_len: int
+    # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
+    envs: dict = field(default_factory=hf_envs.snapshot)
 
 
 class PendingTokens:
@@ -64,6 +67,7 @@ class PendingTokens:
 
 class ModelRunner:
     def __init__(self, spec: RunnerSpec, rank: int = 0, comm: Communicator | None = None):
+        hf_envs.apply(spec.envs)  # before anything reads a switch: every rank runs with rank 0's
         self.spec = spec
         self.config = spec.config
         self.rank = rank

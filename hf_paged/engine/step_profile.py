@@ -8,15 +8,16 @@ are host overhead per step. Off by default: then ``section`` costs one attribute
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import defaultdict
+
+from hf_paged import envs
 
 
 class StepProfile:
     def __init__(self, enabled: bool | None = None):
         if enabled is None:
-            enabled = os.environ.get("HF_PAGED_PROFILE", "") not in ("", "0")
+            enabled = envs.HF_PAGED_PROFILE
         self.enabled = enabled
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)

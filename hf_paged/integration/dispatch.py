@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import threading
 import warnings
 import weakref
@@ -30,6 +29,7 @@ import weakref
 import torch
 from transformers.generation.utils import GenerationMixin
 
+from hf_paged import envs
 from hf_paged.config import EngineConfig
 from hf_paged.integration.generate import PagedFallback, generate_paged
 
@@ -98,7 +98,7 @@ def is_installed() -> bool:
 
 def set_default_backend(backend: str | None) -> None:
     """Backend for calls without a ``backend=`` keyword: "paged", "hf" (stock), or None to let
-    ``HF_PAGED_BACKEND`` decide (unset = stock).
+    ``HF_PAGED_BACKEND`` decide (unset = stock; read once per process, see ``hf_paged.envs``).
 
     Raises:
         ValueError: any other value.
@@ -112,11 +112,7 @@ def get_default_backend() -> str:
     """The backend a call without ``backend=`` gets now."""
     if _default_backend is not None:
         return _default_backend
-    env = os.environ.get(ENV_VAR, "").strip()
-    if not env:
-        return "hf"
-    _check_backend(ENV_VAR, env)
-    return env
+    return envs.get(ENV_VAR)  # validated there: "hf" (unset) or "paged"
 
 
 def _check_backend(name: str, value, allow_none: bool = False) -> None:

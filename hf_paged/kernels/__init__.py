@@ -1,12 +1,12 @@
 """Triton kernels, each with a torch reference beside it.
 
-``HF_PAGED_FUSED=0`` turns the fused elementwise kernels (norm, rope, activation) off, so the
-layers run their torch reference code on CUDA too (for A/B measurements and bisecting)."""
+Which kernels the layers dispatch to is switched in ``hf_paged/envs.py``: ``HF_PAGED_FUSED``
+(norm, rope, activation), ``HF_PAGED_SKINNY_GEMM``, ``HF_PAGED_ARGMAX`` and ``HF_PAGED_PDL``."""
 
-import os
-
-_FUSED = os.environ.get("HF_PAGED_FUSED", "1") != "0"  # read once, at import
+from hf_paged import envs
 
 
 def fused_enabled() -> bool:
-    return _FUSED
+    """Whether the fused elementwise kernels (norm, rope, activation) may run
+    (``HF_PAGED_FUSED``)."""
+    return envs.HF_PAGED_FUSED

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import fused_enabled
+from hf_paged import envs
 from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
@@ -38,7 +38,7 @@ def _problem(logits: torch.Tensor) -> str | None:
 
 
 def supports(logits: torch.Tensor) -> bool:
-    if not fused_enabled() or triton is None or not logits.is_cuda:
+    if not envs.HF_PAGED_ARGMAX or triton is None or not logits.is_cuda:
         return False
     return _problem(logits) is None
 

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL, Hopper and later), on by default; ``HF_PAGED_PDL=0`` off.
+"""Programmatic dependent launch (PDL, Hopper and later), on by default; ``HF_PAGED_PDL=0`` off
+(``hf_paged/envs.py``).
 
 A kernel launched with PDL may start while the kernel before it on the stream is still running;
 it must not touch memory the earlier kernel writes until ``griddepcontrol.wait`` returns. Each
@@ -11,32 +12,26 @@ Before the wait a kernel may read only what the kernel right before it does not 
 kernel waits before it releases the next, so all grids before the one right before this one
 have finished when this one starts. The skinny GEMM loads its first weight tile there; paged
 decode and its reduce read the context length (written by the step's metadata copy).
-
-Measured on one H200 (evaluation/bench_latency.py, L1 decode ms/token, one call each):
-4.42 with PDL and the first-tile load, 4.50 without that load, 4.51 without PDL (593ad34);
-4.34 with PDL, 4.45 without (2562d33). Asking L2 for the next weight lines and the first K/V
-tile before the wait (``prefetch.global.L2``) measured slower: 4.41 at 8 MB a kernel, 4.60
-at 32 MB, so it is not kept.
+``HF_PAGED_PDL_PREFETCH=0`` makes the skinny GEMM wait before its first tile too.
 
 Needs Triton with ``launch_pdl`` and ``tl.extra.cuda.gdc_wait``, and a device of compute
-capability 9.0 or later; otherwise kernels launch as before. CUDA graphs keep the programmatic
+capability 9.0 or later; otherwise kernels launch without PDL. CUDA graphs keep the programmatic
 edges (CUDA 12.3+).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from hf_paged import envs
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
-
-_REQUESTED = os.environ.get("HF_PAGED_PDL", "1") != "0"  # read once, at import
 
 
 @functools.cache
@@ -57,7 +52,7 @@ def _supported(device_index: int) -> bool:
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device launch with PDL."""
-    return _REQUESTED and t.is_cuda and _supported(t.device.index or 0)
+    return envs.HF_PAGED_PDL and t.is_cuda and _supported(t.device.index or 0)
 
 
 def pdl_kwargs(t: torch.Tensor) -> dict:

@@ -12,12 +12,10 @@ No argument depends on data values, so the launch is CUDA-graph safe.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from hf_paged.kernels import fused_enabled
+from hf_paged import envs
 from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
@@ -27,16 +25,13 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
-# HF_PAGED_SKINNY_GEMM=0 keeps every linear layer on cuBLAS (A/B measurements); read at import
-_ENABLED = os.environ.get("HF_PAGED_SKINNY_GEMM", "1") != "0"
-# Under PDL, load the first weight tile before waiting on the kernel before (A/B switch)
-_PREFETCH = os.environ.get("HF_PAGED_PDL_PREFETCH", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen per shape by ``_config``
 DEFAULT_CONFIG = (32, 128, 4, 3)
-# The layers use the kernel only where it measured faster than cuBLAS: few rows, no bias (cuBLAS
+# The layers use the kernel only where it is faster than cuBLAS: few rows, no bias (cuBLAS
 # rounds a bias differently), and large weights with a long K loop (H200, bf16, one row:
 # evaluation/bench_gemv.py). Small matrices (e.g. Qwen3-0.6B's) stay on cuBLAS.
+# HF_PAGED_SKINNY_GEMM=0 keeps every linear layer on cuBLAS (hf_paged/envs.py).
 DISPATCH_MAX_ROWS = 4
 DISPATCH_MIN_K = 4096
 DISPATCH_MIN_ELEMENTS = 16 * 2**20
@@ -59,7 +54,7 @@ def _problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether to dispatch to the kernel: triton installed, CUDA inputs it takes."""
-    if not _ENABLED or triton is None or not x.is_cuda or not fused_enabled():
+    if not envs.HF_PAGED_SKINNY_GEMM or triton is None or not x.is_cuda:
         return False
     return _problem(x, weight, bias) is None
 
@@ -169,11 +164,12 @@ def skinny_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n),)
     pdl_args = pdl_kwargs(x)
+    prefetch = envs.HF_PAGED_PDL_PREFETCH and pdl_args["USE_PDL"]
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, PREFETCH=_PREFETCH and pdl_args["USE_PDL"],
+        num_warps=warps, num_stages=stages, PREFETCH=prefetch,
         **pdl_args,
     )  # fmt: skip
     return y

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from hf_paged.kernels import pdl, skinny_gemm  # noqa: E402
+from hf_paged import envs  # noqa: E402
+from hf_paged.kernels import pdl  # noqa: E402
 
 if not pdl._supported(torch.cuda.current_device()):
     pytest.skip(
@@ -63,10 +64,10 @@ def _inputs():
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch):
     inp = _inputs()
-    monkeypatch.setattr(pdl, "_REQUESTED", False)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", False)
     ref = _chain(**inp)
-    monkeypatch.setattr(pdl, "_REQUESTED", True)
-    monkeypatch.setattr(skinny_gemm, "_PREFETCH", prefetch)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", True)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL_PREFETCH", prefetch)
     assert pdl.pdl_kwargs(inp["x"]) == {"USE_PDL": True, "launch_pdl": True}
     got = _chain(**inp)
     for a, b in zip(ref, got):
@@ -78,7 +79,7 @@ def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch):
         t.copy_(t.flip(0))
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.setattr(pdl, "_REQUESTED", False)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", False)
     ref2 = _chain(**inp)
     for a, b in zip(ref2, out):
         assert torch.equal(a, b)
@@ -90,9 +91,9 @@ def test_engine_tokens_unchanged_with_pdl(tmp_path, monkeypatch):
 
     path = save_tiny_model("qwen3", str(tmp_path / "qwen3"))
     ps = prompts(12, seed=5)
-    monkeypatch.setattr(pdl, "_REQUESTED", False)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", False)
     off_bf16, _ = ours(path, ps, dtype="bfloat16")
-    monkeypatch.setattr(pdl, "_REQUESTED", True)
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", True)
     on_fp32, graphs = ours(path, ps, dtype="float32")
     assert graphs
     assert on_fp32 == hf_tokens(path, ps, torch.float32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged import envs
 from hf_paged.integration import dispatch
 from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
@@ -28,10 +29,12 @@ def one_thread():
 def clean_dispatch(monkeypatch):
     dispatch.install()
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    envs.reset()  # switches are read once per process: each test reads its own environment
     dispatch.set_default_backend(None)
     dispatch._reset_fallback_warnings()
     yield
     dispatch.set_default_backend(None)
+    envs.reset()
 
 
 def fake_factory(model, config):

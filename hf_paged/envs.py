@@ -1,0 +1,197 @@
+"""Every ``HF_PAGED_*`` environment switch, in one place: name, type, default, what it covers.
+
+Read once: a switch is parsed from the environment at its first access and cached for the
+process (``envs.HF_PAGED_PDL``, or :func:`get`). After the first access it is a plain module
+attribute, so reading it in a kernel's dispatch costs what a global does.
+
+* :func:`snapshot` gives every switch's value (a JSON-able dict). ``RunnerSpec`` carries it to
+  the tensor-parallel workers, which :func:`apply` it, so every rank runs with rank 0's values
+  whatever the workers' environment says; benchmarks record it in their result files.
+* :func:`reset` drops cached values, so the next access reads the environment again (tests; the
+  CLI after it sets ``HF_PAGED_BACKEND``).
+* A bad value raises ``ValueError`` naming the variable, the value and what is allowed. A set
+  ``HF_PAGED_*`` variable that is no switch here is warned about once, with the nearest name.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from dataclasses import dataclass
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_MISSING = object()  # "not read yet" in the module namespace
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment switch. ``default`` sets the type: bool switches take 0/1 (also
+    true/false, yes/no, on/off); str switches take one of ``choices`` (None = any string).
+    Unset or empty = ``default``."""
+
+    name: str
+    default: bool | str
+    doc: str
+    choices: tuple[str, ...] | None = None
+
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "HF_PAGED_BACKEND",
+            "hf",
+            "Backend of transformers ``generate`` calls (and so of text-generation pipelines) "
+            "made without a ``backend=`` keyword: 'hf' = stock, 'paged' = the engine. "
+            "``hf_paged.set_default_backend`` overrides it within a process; ``hf-paged run`` "
+            "sets it to 'paged' for the program and its child processes.",
+            choices=("hf", "paged"),
+        ),
+        Switch(
+            "HF_PAGED_FUSED",
+            True,
+            "The fused elementwise Triton kernels on CUDA: RMSNorm (with the residual add), "
+            "rotary embedding (with Qwen3's per-head q/k norm, and the K/V cache write when "
+            "the attention backend accepts it) and SiLU-and-mul. 0 = the layers' torch code "
+            "(the attention backend then writes K/V itself). Does not cover the argmax or the "
+            "skinny GEMM kernels, which have their own switches.",
+        ),
+        Switch(
+            "HF_PAGED_SKINNY_GEMM",
+            True,
+            "The skinny GEMM Triton kernel for linear layers with few rows on CUDA "
+            "(``kernels/skinny_gemm.py``; it takes only shapes where it beats cuBLAS). "
+            "0 = every linear layer on cuBLAS.",
+        ),
+        Switch(
+            "HF_PAGED_ARGMAX",
+            True,
+            "The Triton row-wise argmax for greedy sampling on CUDA (``kernels/argmax.py``). "
+            "0 = ``torch.argmax``.",
+        ),
+        Switch(
+            "HF_PAGED_PDL",
+            True,
+            "Programmatic dependent launch for every Triton kernel here, on devices that "
+            "support it (compute capability 9.0+, a Triton with ``launch_pdl``): a kernel may "
+            "be launched while the one before it finishes (``kernels/pdl.py``). 0 = plain "
+            "launches.",
+        ),
+        Switch(
+            "HF_PAGED_PDL_PREFETCH",
+            True,
+            "Under PDL, the skinny GEMM loads its first weight tile before waiting on the "
+            "kernel before it. 0 = it waits first. No effect without PDL.",
+        ),
+        Switch(
+            "HF_PAGED_PROFILE",
+            False,
+            "Host-side timing of engine steps (``engine/step_profile.py``): host time per step "
+            "section and the time spent waiting for the GPU, in ``llm.stats['profile']``. "
+            "Costs one clock read per section; off by default.",
+        ),
+        Switch(
+            "HF_PAGED_GIT_SHA",
+            "",
+            "Benchmarks only (``evaluation/``): the commit the tree was made from, recorded in "
+            "every result file instead of ``git rev-parse HEAD`` (a copied tree may carry a "
+            "stale ``.git``). The engine does not read it.",
+        ),
+    )
+}
+
+_warned_unknown: set[str] = set()
+
+
+def _parse(switch: Switch, raw: str | None) -> bool | str:
+    """The value of ``switch`` for the environment string ``raw`` (None = unset)."""
+    text = "" if raw is None else raw.strip()
+    if not text:
+        return switch.default
+    if isinstance(switch.default, bool):
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        allowed = "0 or 1 (also true/false, yes/no, on/off)"
+        default = int(switch.default)
+    else:
+        if switch.choices is None or text in switch.choices:
+            return text
+        allowed = f"one of {list(switch.choices)}"
+        default = repr(switch.default)
+    raise ValueError(
+        f"{switch.name}={raw!r} is not allowed: {switch.name} must be {allowed}; "
+        f"unset it for the default ({default})"
+    )
+
+
+def get(name: str) -> bool | str:
+    """The value of switch ``name``: parsed from the environment once, then cached.
+
+    Raises:
+        KeyError: ``name`` is no switch (the message lists the switches).
+        ValueError: the environment holds a value the switch does not take.
+    """
+    if name not in SWITCHES:
+        raise KeyError(f"{name!r} is not an hf_paged switch; switches are {list(SWITCHES)}")
+    value = globals().get(name, _MISSING)
+    if value is _MISSING:
+        value = _parse(SWITCHES[name], os.environ.get(name))
+        globals()[name] = value
+    return value
+
+
+def __getattr__(name: str):  # module attribute access: ``envs.HF_PAGED_PDL``
+    if name in SWITCHES:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def snapshot() -> dict[str, bool | str]:
+    """Every switch's value now, ``{name: value}`` (reads and caches those not read yet)."""
+    _warn_unknown()
+    return {name: get(name) for name in SWITCHES}
+
+
+def apply(values: dict[str, bool | str]) -> None:
+    """Install values recorded by :func:`snapshot` (in another process) as this process's.
+
+    Raises:
+        ValueError: a name that is no switch, or a value of the wrong type.
+    """
+    for name, value in values.items():
+        switch = SWITCHES.get(name)
+        if switch is None:
+            raise ValueError(f"apply: {name!r} is not an hf_paged switch: {list(SWITCHES)}")
+        kind = type(switch.default)
+        if type(value) is not kind or (switch.choices and value not in switch.choices):
+            raise ValueError(f"apply: {name}={value!r} is not allowed: must be a {kind.__name__}")
+        globals()[name] = value
+
+
+def reset(*names: str) -> None:
+    """Forget cached values (all, or ``names``): the next access reads the environment."""
+    for name in names or tuple(SWITCHES):
+        globals().pop(name, None)
+
+
+def _warn_unknown() -> None:
+    """Warn once per name about set ``HF_PAGED_*`` variables that are no switch (a typo, or a
+    switch that no longer exists), with the nearest switch name."""
+    for name in os.environ:
+        if not name.startswith("HF_PAGED_") or name in SWITCHES or name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        near = difflib.get_close_matches(name, list(SWITCHES), n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        warnings.warn(
+            f"{name} is set but is not an hf_paged switch, so it has no effect; {hint}"
+            f"switches are {list(SWITCHES)}",
+            stacklevel=3,
+        )
+
