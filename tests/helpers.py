@@ -84,7 +84,9 @@ def run_step(
     tokens must already be in ``kv_cache``) and return each sequence's logits [q_len, vocab]
     (None each on tensor-parallel ranks other than 0)."""
     lens = [len(s) for s in seqs]
-    meta, positions = build_metadata(q_lens, lens, block_size, max_blocks_per_seq, kv_cache=kv_cache)
+    meta, positions = build_metadata(
+        q_lens, lens, block_size, max_blocks_per_seq, kv_cache=kv_cache
+    )
     input_ids = torch.tensor(
         [t for s, q in zip(seqs, q_lens, strict=True) for t in s[len(s) - q :]]
     )

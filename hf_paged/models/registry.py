@@ -54,7 +54,8 @@ def _native_name(hf_config) -> tuple[str | None, str]:
     """(native architecture or None, how the config names its model for error messages)."""
     archs = getattr(hf_config, "architectures", None) or []
     if archs:
-        return (archs[0] if archs[0] in NATIVE_ARCHITECTURES else None), f"architecture {archs[0]!r}"
+        native = archs[0] if archs[0] in NATIVE_ARCHITECTURES else None
+        return native, f"architecture {archs[0]!r}"
     model_type = getattr(hf_config, "model_type", None)
     what = f"model_type {model_type!r} (no architectures in config)"
     return NATIVE_MODEL_TYPES.get(model_type), what
