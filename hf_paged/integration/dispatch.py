@@ -13,7 +13,10 @@
 
 One engine per model object, built on first use, reused across calls, rebuilt when the call's
 engine config differs or the model's parameters were replaced or changed in place since it was
-built (the engine shares their storage but holds fused copies of some). It hangs off the model in a
+built (the engine shares their storage but holds fused copies of some), or its PEFT adapters
+changed (another active adapter, ``disable_adapter()``, merged, rescaled): the engine serves LoRA
+merged into its own weights (``peft.py``). Writes through ``param.data`` bump no version counter
+and are not seen: call ``release(model)`` after them. It hangs off the model in a
 private attribute (a copy of the model starts without one) and is closed with the model.
 """
 
@@ -31,6 +34,7 @@ import torch
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged.config import EngineConfig
+from hf_paged.integration import peft
 from hf_paged.integration.generate import PagedFallback, generate_paged
 
 ENV_VAR = "HF_PAGED_BACKEND"
@@ -182,9 +186,12 @@ def _as_engine_config(value, name: str = "paged_config") -> EngineConfig:
 
 
 def _fingerprint(model) -> tuple:
-    return tuple(
+    """The model's parameters (storage, in-place version, layout) and its PEFT adapter state
+    (active adapter, enabled, merged, scaling): a change in either rebuilds the engine."""
+    params = tuple(
         (p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in model.parameters()
     )
+    return params, peft.adapter_state(model)
 
 
 def configure(model, **engine_kwargs) -> EngineConfig:
@@ -282,15 +289,25 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
 
 
 def _model_reason(model) -> tuple[str, str] | None:
+    from hf_paged.engine.runtime import quantization_method
     from hf_paged.models.registry import is_supported, supported_architectures
 
+    method = quantization_method(model)
+    if method is not None:
+        return f"quantized_{method}", (
+            f"the model is quantized (quant_method={method!r}); the engine runs only "
+            "unquantized float weights"
+        )
+    reason = peft.unsupported_reason(model)
+    if reason is not None:
+        return reason
     name = type(model).__name__
     if name not in supported_architectures() or not is_supported(model.config):
         return "architecture", f"{name} is not an architecture the engine implements"
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        return "quantized", "the model is quantized"
-    devices = {p.device for p in model.parameters()}
-    dtypes = {p.dtype for p in model.parameters()}
+    adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else ()
+    served = [p for n, p in model.named_parameters() if n not in adapter_only]
+    devices = {p.device for p in served}
+    dtypes = {p.dtype for p in served}
     device_map = getattr(model, "hf_device_map", None) or {}
     if len(devices) != 1 or len(set(device_map.values())) > 1:
         return "device", "the model is spread over several devices"

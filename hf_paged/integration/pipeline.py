@@ -14,6 +14,8 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
   route: a text-generation pipeline hands its unknown keyword arguments to ``generate``, where
   the dispatcher (``hf_paged.install()``) pops them. A call may still override them
   (``pipe(text, backend="hf")``).
+* ``backend="paged"`` with a quantized checkpoint directory (a ``quantization_config`` in its
+  config): the stock pipeline with stock calls, and a ``PagedFallbackWarning`` naming the method.
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
@@ -100,7 +102,11 @@ def _make_wrapper(original):
 
 
 def _build(original, bound, backend, paged_config):
-    from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
+    from hf_paged.integration.auto import (
+        AutoPagedModelForCausalLM,
+        PagedModelForCausalLM,
+        quantized_checkpoint_reason,
+    )
 
     a = bound.arguments
     task, model = a.get("task"), a.get("model")
@@ -117,7 +123,13 @@ def _build(original, bound, backend, paged_config):
             "or an EngineConfig"
         )
     extra = a.setdefault("kwargs", {})
+    quantized = None
     if backend == "paged" and isinstance(model, (str, os.PathLike)):
+        quantized = quantized_checkpoint_reason(model)
+    if quantized is not None:  # stock loads it with its quantizer; its calls stay stock
+        dispatch.warn_fallback(*quantized)
+        extra["backend"] = "hf"
+    elif backend == "paged" and isinstance(model, (str, os.PathLike)):
         engine_kwargs = _engine_kwargs(paged_config, a.get("device"), a.get("dtype"))
         a["model"] = AutoPagedModelForCausalLM.from_pretrained(model, **engine_kwargs)
         if a.get("tokenizer") is None:
