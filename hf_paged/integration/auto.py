@@ -59,6 +59,14 @@ class AutoPagedModelForCausalLM:
                 message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
+        from hf_paged.integration.peft import is_adapter_dir
+
+        if is_adapter_dir(path):
+            raise ValueError(
+                f"pretrained_model_name_or_path={path!r} is not allowed: it is a PEFT adapter "
+                "directory; load it with transformers (AutoModelForCausalLM.from_pretrained or "
+                "PeftModel.from_pretrained) and call generate(..., backend='paged') or LLM(model)"
+            )
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
                 f"pretrained_model_name_or_path={path!r} is not allowed: must be a local "

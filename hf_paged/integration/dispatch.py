@@ -203,7 +203,7 @@ def configure(model, **engine_kwargs) -> EngineConfig:
         TypeError: an unknown key. ValueError: a bad value (both name the key).
     """
     config = EngineConfig.from_dict(engine_kwargs)
-    slot = _slot(model)
+    slot = _slot(peft.unwrap(model))  # a PeftModel's calls reach the HF model inside it
     slot.configured = config
     if slot.engine is not None and slot.built_with != config and slot.owner is None:
         slot.close()
@@ -213,8 +213,10 @@ def configure(model, **engine_kwargs) -> EngineConfig:
 def get_engine(model, paged_config: EngineConfig | dict | None = None):
     """``model``'s engine, built (or rebuilt) to ``paged_config`` / ``configure`` / defaults.
 
-    Without either, an existing engine is reused whatever its config.
+    Without either, an existing engine is reused whatever its config. A ``PeftModel``'s engine
+    is the one of the HF model inside it (where its ``generate`` calls arrive).
     """
+    model = peft.unwrap(model)
     slot = _slot(model)
     if paged_config is not None:
         want = _as_engine_config(paged_config)
@@ -235,7 +237,7 @@ def get_engine(model, paged_config: EngineConfig | dict | None = None):
 
 def release(model) -> None:
     """Close ``model``'s engine now (the next paged call builds a new one)."""
-    slot = model.__dict__.get(_SLOT_ATTR)
+    slot = peft.unwrap(model).__dict__.get(_SLOT_ATTR)
     if slot is not None:
         slot.close()
 

@@ -25,6 +25,7 @@ Nothing here imports ``peft`` unless the caller's process already has.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 
@@ -58,6 +59,15 @@ def unwrap(model):
     """The transformers model inside a ``PeftModel`` (its tuner layers stay in place); any
     other object unchanged."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def is_adapter_dir(path) -> bool:
+    """A PEFT adapter directory (``adapter_config.json`` without a model ``config.json``),
+    which transformers opens by loading the base model and then the adapter."""
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(
+        os.path.join(path, "config.json")
+    )
 
 
 def tuner_modules(model: nn.Module) -> dict[str, nn.Module]:

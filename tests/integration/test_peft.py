@@ -27,6 +27,7 @@ from peft import (  # noqa: E402
 
 from hf_paged import LLM, SamplingParams  # noqa: E402
 from hf_paged.integration import dispatch  # noqa: E402
+from hf_paged.integration.auto import AutoPagedModelForCausalLM  # noqa: E402
 from hf_paged.integration.dispatch import PagedFallbackWarning  # noqa: E402
 from tests.helpers import build_hf_model  # noqa: E402
 from tests.integration.parity_utils import (  # noqa: E402
@@ -172,6 +173,8 @@ def test_modules_to_save_copy_is_served(base_outputs):
 
 
 def test_engine_reused_until_the_adapter_state_changes(monkeypatch):
+    from peft.tuners.lora import LoraLayer
+
     built = []
     real = dispatch.engine_factory
 
@@ -181,15 +184,16 @@ def test_engine_reused_until_the_adapter_state_changes(monkeypatch):
 
     monkeypatch.setattr(dispatch, "engine_factory", counting)
     model = _lora("llama")
-    _paged(model)
-    _paged(model)
-    assert len(built) == 1
-    from peft.tuners.lora import LoraLayer
-
+    dispatch.configure(model, **{**SMALL_ENGINE, "max_num_seqs": 4})  # the PeftModel's calls
+    paged = dict(_inputs(), backend="paged")
+    model.generate(**paged)
+    model.generate(**paged)
+    assert len(built) == 1 and built[0].config.max_num_seqs == 4
+    assert dispatch.get_engine(model) is built[0]
     for m in model.modules():  # scaling only: no parameter changes
         if isinstance(m, LoraLayer):
             m.set_scale("default", 0.5)
-    assert torch.equal(_paged(model), model.generate(**_inputs()))
+    assert torch.equal(model.generate(**paged), model.generate(**_inputs()))
     assert len(built) == 2
 
 
@@ -230,6 +234,71 @@ def test_pipeline_of_a_peft_model_equals_stock_peft():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PagedFallbackWarning)
         assert paged(texts, batch_size=2, **greedy) == stock(texts, batch_size=2, **greedy)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """A saved LoRA adapter (with a tokenizer) on a saved base checkpoint, as PEFT writes it."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.pipe_utils import save_checkpoint
+
+    root = tmp_path_factory.mktemp("adapter")
+    base = AutoModelForCausalLM.from_pretrained(save_checkpoint(str(root / "base")))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=ATTN + MLP))
+    _randomize_adapter(model, "default", seed=5)
+    model.save_pretrained(str(root / "adapter"))
+    build_tokenizer().save_pretrained(str(root / "adapter"))
+    return str(root / "adapter")
+
+
+def test_pipeline_of_an_adapter_directory(adapter_dir):
+    import transformers
+
+    from hf_paged.integration.pipeline import install_pipeline
+
+    install_pipeline()
+    greedy = dict(max_new_tokens=NEW, do_sample=False)
+    stock = transformers.pipeline("text-generation", model=adapter_dir, device="cpu")
+    paged = transformers.pipeline(
+        "text-generation", model=adapter_dir, device="cpu", backend="paged",
+        paged_config=SMALL_ENGINE,
+    )  # fmt: skip
+    assert paged.model.peft_config  # transformers loaded base + adapter
+    with pytest.raises(ValueError, match="PEFT adapter directory"):
+        AutoPagedModelForCausalLM.from_pretrained(adapter_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PagedFallbackWarning)
+        assert paged(["Hello", "xyz"], **greedy) == stock(["Hello", "xyz"], **greedy)
+
+
+def test_adapter_loaded_through_transformers(adapter_dir, base_outputs):
+    """``model.load_adapter`` (transformers' PEFT integration) injects the same LoRA layers."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        base_path = json.load(f)["base_model_name_or_path"]
+    model = AutoModelForCausalLM.from_pretrained(base_path).eval()
+    model.load_adapter(adapter_dir)
+    assert not torch.equal(_same_as_stock(model), base_outputs["llama"])  # same base weights
+
+
+def test_bf16_base_with_fp32_adapters_is_served():
+    """PEFT upcasts adapter weights to fp32 on a bf16 base; the merged weights are bf16."""
+    base = build_hf_model("llama", seed=0).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"])).eval()
+    _randomize_adapter(model, "default", seed=2)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PagedFallbackWarning)
+        paged = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, backend="paged")
+    assert dispatch.get_engine(model.base_model.model).runtime.dtype == torch.bfloat16
+    stock = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(paged[:, :5], stock[:, :5])  # bf16 rounding may part them later
 
 
 # ---- what merged weights can't reproduce ------------------------------------------------------
