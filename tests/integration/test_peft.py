@@ -111,6 +111,11 @@ def test_lora_on_attention_and_mlp_equals_stock_peft(family, base_outputs):
         assert torch.equal(p, before[n][0]) and p._version == before[n][1], n
 
 
+def test_lora_on_embedding_and_lm_head(base_outputs):
+    model = _lora("llama", targets=["embed_tokens", "lm_head", "q_proj"])
+    assert not torch.equal(_same_as_stock(model), base_outputs["llama"])
+
+
 def test_merge_and_unload_equals_stock_peft():
     model = _lora("llama")
     adapted = model.generate(**_inputs())
@@ -336,6 +341,17 @@ def test_unsupported_peft_falls_back_and_llm_refuses(make, reason):
     assert f"[{reason}]" in message
     with pytest.raises(ValueError, match=reason):
         LLM(model, **SMALL_ENGINE)
+
+
+def test_lora_on_tied_embeddings_falls_back():
+    """Qwen3's lm_head is its embedding: one engine tensor can't hold two different weights."""
+    model = _lora("qwen3", targets=["lm_head", "q_proj"])
+    dispatch._reset_fallback_warnings()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        paged = model.generate(**_inputs(8), backend="paged", paged_config=SMALL_ENGINE)
+    assert torch.equal(paged, model.generate(**_inputs(8)))
+    assert any("[peft_tied_weights]" in m for m in fallback_warnings(rec))
 
 
 def test_per_row_adapter_names_fall_back():
