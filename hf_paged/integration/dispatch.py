@@ -303,6 +303,7 @@ def _model_reason(model) -> tuple[str, str] | None:
     reason = peft.unsupported_reason(model)
     if reason is not None:
         return reason
+    model = peft.unwrap(model)  # a PeftModel: the HF model inside serves its calls
     name = type(model).__name__
     if name not in supported_architectures() or not is_supported(model.config):
         return "architecture", f"{name} is not an architecture the engine implements"

@@ -158,6 +158,9 @@ def test_second_adapter_set_active():
     assert not torch.equal(first, second)
     model.set_adapter("default")
     assert torch.equal(_paged(model), first)
+    model.base_model.set_adapter(["default", "second"])  # both active: their deltas add
+    both = _same_as_stock(model)
+    assert not torch.equal(both, first) and not torch.equal(both, second)
 
 
 def test_merged_adapter_without_unload():
@@ -239,6 +242,26 @@ def test_pipeline_of_a_peft_model_equals_stock_peft():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PagedFallbackWarning)
         assert paged(texts, batch_size=2, **greedy) == stock(texts, batch_size=2, **greedy)
+
+
+def test_datasets_map_of_a_peft_model_equals_stock_peft():
+    from datasets import Dataset
+
+    from hf_paged import paged_generate_map
+
+    model, tok = _lora("llama", targets=["q_proj", "down_proj"]), build_tokenizer()
+    texts = ["Hello", "ab c", "def fib(n):"]
+    fn = paged_generate_map(
+        model, tok, column="prompt", paged_config=SMALL_ENGINE, use_tqdm=False,
+        max_new_tokens=NEW, do_sample=False,
+    )  # fmt: skip
+    out = Dataset.from_dict({"prompt": texts}).map(fn, **fn.map_kwargs)
+    stock = []
+    for text in texts:
+        enc = tok(text, return_tensors="pt")
+        row = model.generate(**enc, max_new_tokens=NEW, do_sample=False)[0]
+        stock.append(tok.decode(row[enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    assert out["generated"] == stock
 
 
 @pytest.fixture(scope="module")
