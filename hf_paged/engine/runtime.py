@@ -70,11 +70,58 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def quantization_method(model_or_config) -> str | None:
+    """The ``quant_method`` of a quantized model or config ("bitsandbytes", "gptq", "awq",
+    "fp8" ...; "unknown" when it names none), or None for plain weights. The engine implements
+    no quantized weights, so any method is one it can't serve."""
+    quantizer = getattr(model_or_config, "hf_quantizer", None)
+    qc = getattr(quantizer, "quantization_config", None)
+    config = getattr(model_or_config, "config", model_or_config)
+    if qc is None:
+        qc = getattr(config, "quantization_config", None)
+    if not qc and not getattr(model_or_config, "is_quantized", False) and quantizer is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    return str(method) if method else "unknown"
+
+
+def _check_servable(model, hf_config) -> None:
+    """ValueError for what the engine can't run and ``LLM`` has no stock model to fall back
+    on for: quantized weights, and PEFT adapters that merged weights can't reproduce."""
+    method = quantization_method(model if not isinstance(model, (str, os.PathLike)) else hf_config)
+    if method is not None:
+        raise ValueError(
+            f"quantization_config with quant_method={method!r} is not allowed: the engine runs "
+            "only unquantized float weights (float32/float16/bfloat16); load an unquantized "
+            "checkpoint, or use transformers' generate for this one"
+        )
+    if not isinstance(model, (str, os.PathLike)):
+        from hf_paged.integration import peft
+
+        reason = peft.unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(
+                f"model=<PEFT model> is not allowed: {reason[1]} [{reason[0]}]; the engine "
+                "serves plain LoRA (merged into its weights); use the PEFT model's own generate"
+            )
+
+
 def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
-    """Read the model's config, pick device/dtype/lengths. ``model`` is a checkpoint directory
-    or an in-memory HF causal-LM."""
+    """Read the model's config, pick device/dtype/lengths. ``model`` is a checkpoint directory,
+    an in-memory HF causal-LM, or a ``PeftModel`` around one.
+
+    Raises:
+        ValueError: a quantized model or checkpoint (naming its quant_method), PEFT adapters the
+            engine can't reproduce, an unsupported architecture, a bad path or device.
+    """
     from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+    from hf_paged.integration.peft import is_peft_model, unwrap
+
+    if is_peft_model(model):
+        _check_servable(model, None)
+        model = unwrap(model)
     if isinstance(model, PreTrainedModel):
         hf_config = model.config
         gen_config = getattr(model, "generation_config", None)
@@ -102,6 +149,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
             f"model={type(model).__name__} is not allowed: pass a checkpoint directory or a "
             "transformers PreTrainedModel"
         )
+    _check_servable(model, hf_config)
     resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
     max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = config.max_model_len or max_pos

@@ -54,10 +54,19 @@ class AutoPagedModelForCausalLM:
 
         Raises:
             TypeError: an unknown engine key (the message lists the allowed ones).
-            ValueError: a bad engine value, a path that is not a local checkpoint directory, or
-                an architecture the engine does not implement.
+            ValueError: a bad engine value, a path that is not a local checkpoint directory, an
+                architecture the engine does not implement, or a quantized checkpoint (the
+                message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
+        from hf_paged.integration.peft import is_adapter_dir
+
+        if is_adapter_dir(path):
+            raise ValueError(
+                f"pretrained_model_name_or_path={path!r} is not allowed: it is a PEFT adapter "
+                "directory; load it with transformers (AutoModelForCausalLM.from_pretrained or "
+                "PeftModel.from_pretrained) and call generate(..., backend='paged') or LLM(model)"
+            )
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(
                 f"pretrained_model_name_or_path={path!r} is not allowed: must be a local "
@@ -91,6 +100,24 @@ class AutoPagedModelForCausalLM:
             )
         _quiet_pipeline_model_check()
         return PagedModelForCausalLM(engine, _meta_skeleton(path, engine.hf_config), path)
+
+
+def quantized_checkpoint_reason(path: str | os.PathLike) -> tuple[str, str] | None:
+    """``(reason, detail)`` when the checkpoint directory's config has a
+    ``quantization_config`` (the engine runs none), for callers that can fall back to stock."""
+    from transformers import AutoConfig
+
+    from hf_paged.engine.runtime import quantization_method
+
+    if not os.path.isfile(os.path.join(os.fspath(path), "config.json")):
+        return None
+    method = quantization_method(AutoConfig.from_pretrained(path))
+    if method is None:
+        return None
+    return f"quantized_{method}", (
+        f"the checkpoint is quantized (quant_method={method!r}); the engine runs only "
+        "unquantized float weights"
+    )
 
 
 def _meta_skeleton(path: str, hf_config):

@@ -13,7 +13,10 @@
 
 One engine per model object, built on first use, reused across calls, rebuilt when the call's
 engine config differs or the model's parameters were replaced or changed in place since it was
-built (the engine shares their storage but holds fused copies of some). It hangs off the model in a
+built (the engine shares their storage but holds fused copies of some), or its PEFT adapters
+changed (another active adapter, ``disable_adapter()``, merged, rescaled): the engine serves LoRA
+merged into its own weights (``peft.py``). Writes through ``param.data`` bump no version counter
+and are not seen: call ``release(model)`` after them. It hangs off the model in a
 private attribute (a copy of the model starts without one) and is closed with the model.
 """
 
@@ -31,6 +34,7 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
+from hf_paged.integration import peft
 from hf_paged.integration.generate import PagedFallback, generate_paged
 
 ENV_VAR = "HF_PAGED_BACKEND"
@@ -178,9 +182,12 @@ def _as_engine_config(value, name: str = "paged_config") -> EngineConfig:
 
 
 def _fingerprint(model) -> tuple:
-    return tuple(
+    """The model's parameters (storage, in-place version, layout) and its PEFT adapter state
+    (active adapter, enabled, merged, scaling): a change in either rebuilds the engine."""
+    params = tuple(
         (p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in model.parameters()
     )
+    return params, peft.adapter_state(model)
 
 
 def configure(model, **engine_kwargs) -> EngineConfig:
@@ -192,7 +199,7 @@ def configure(model, **engine_kwargs) -> EngineConfig:
         TypeError: an unknown key. ValueError: a bad value (both name the key).
     """
     config = EngineConfig.from_dict(engine_kwargs)
-    slot = _slot(model)
+    slot = _slot(peft.unwrap(model))  # a PeftModel's calls reach the HF model inside it
     slot.configured = config
     if slot.engine is not None and slot.built_with != config and slot.owner is None:
         slot.close()
@@ -202,8 +209,10 @@ def configure(model, **engine_kwargs) -> EngineConfig:
 def get_engine(model, paged_config: EngineConfig | dict | None = None):
     """``model``'s engine, built (or rebuilt) to ``paged_config`` / ``configure`` / defaults.
 
-    Without either, an existing engine is reused whatever its config.
+    Without either, an existing engine is reused whatever its config. A ``PeftModel``'s engine
+    is the one of the HF model inside it (where its ``generate`` calls arrive).
     """
+    model = peft.unwrap(model)
     slot = _slot(model)
     if paged_config is not None:
         want = _as_engine_config(paged_config)
@@ -224,7 +233,7 @@ def get_engine(model, paged_config: EngineConfig | dict | None = None):
 
 def release(model) -> None:
     """Close ``model``'s engine now (the next paged call builds a new one)."""
-    slot = model.__dict__.get(_SLOT_ATTR)
+    slot = peft.unwrap(model).__dict__.get(_SLOT_ATTR)
     if slot is not None:
         slot.close()
 
@@ -278,15 +287,26 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
 
 
 def _model_reason(model) -> tuple[str, str] | None:
+    from hf_paged.engine.runtime import quantization_method
     from hf_paged.models.registry import is_supported, supported_architectures
 
+    method = quantization_method(model)
+    if method is not None:
+        return f"quantized_{method}", (
+            f"the model is quantized (quant_method={method!r}); the engine runs only "
+            "unquantized float weights"
+        )
+    reason = peft.unsupported_reason(model)
+    if reason is not None:
+        return reason
+    model = peft.unwrap(model)  # a PeftModel: the HF model inside serves its calls
     name = type(model).__name__
     if name not in supported_architectures() or not is_supported(model.config):
         return "architecture", f"{name} is not an architecture the engine implements"
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        return "quantized", "the model is quantized"
-    devices = {p.device for p in model.parameters()}
-    dtypes = {p.dtype for p in model.parameters()}
+    adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else ()
+    served = [p for n, p in model.named_parameters() if n not in adapter_only]
+    devices = {p.device for p in served}
+    dtypes = {p.dtype for p in served}
     device_map = getattr(model, "hf_device_map", None) or {}
     if len(devices) != 1 or len(set(device_map.values())) > 1:
         return "device", "the model is spread over several devices"

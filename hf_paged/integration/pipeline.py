@@ -14,6 +14,11 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
   route: a text-generation pipeline hands its unknown keyword arguments to ``generate``, where
   the dispatcher (``hf_paged.install()``) pops them. A call may still override them
   (``pipe(text, backend="hf")``).
+* ``backend="paged"`` with a PEFT adapter directory (``adapter_config.json``, no
+  ``config.json``): transformers loads the base model and the adapter, and the calls go paged
+  with the LoRA merged into the engine's weights (``peft.py``).
+* ``backend="paged"`` with a quantized checkpoint directory (a ``quantization_config`` in its
+  config): the stock pipeline with stock calls, and a ``PagedFallbackWarning`` naming the method.
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
@@ -100,7 +105,12 @@ def _make_wrapper(original):
 
 
 def _build(original, bound, backend, paged_config):
-    from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
+    from hf_paged.integration.auto import (
+        AutoPagedModelForCausalLM,
+        PagedModelForCausalLM,
+        quantized_checkpoint_reason,
+    )
+    from hf_paged.integration.peft import is_adapter_dir
 
     a = bound.arguments
     task, model = a.get("task"), a.get("model")
@@ -117,7 +127,16 @@ def _build(original, bound, backend, paged_config):
             "or an EngineConfig"
         )
     extra = a.setdefault("kwargs", {})
+    quantized = adapter_dir = None
     if backend == "paged" and isinstance(model, (str, os.PathLike)):
+        quantized = quantized_checkpoint_reason(model)
+        adapter_dir = is_adapter_dir(model)
+    if quantized is not None:  # stock loads it with its quantizer; its calls stay stock
+        dispatch.warn_fallback(*quantized)
+        extra["backend"] = "hf"
+    elif adapter_dir:  # stock loads base + adapter; the calls go paged with LoRA merged
+        extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
+    elif backend == "paged" and isinstance(model, (str, os.PathLike)):
         engine_kwargs = _engine_kwargs(paged_config, a.get("device"), a.get("dtype"))
         a["model"] = AutoPagedModelForCausalLM.from_pretrained(model, **engine_kwargs)
         if a.get("tokenizer") is None:

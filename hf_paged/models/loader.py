@@ -6,6 +6,9 @@ model's ``packed_modules_mapping`` routes (``...self_attn.q_proj.weight`` ->
 a lazy safetensors slice (it reads only the rows/cols its rank holds) or, for an in-memory HF
 model, that model's tensor.
 
+An in-memory model with PEFT adapters is read through ``iter_model_weights``: LoRA merged
+into new tensors under the plain names, so the adapters apply and the user's model is unchanged.
+
 In-memory loads share storage wherever the layouts are identical (same shape, dtype and device
 and not a fused shard: at tp_size 1 that is everything but qkv_proj and gate_up_proj), so the
 engine adds no second copy of those weights next to the HF model; fused ones are copied.
@@ -132,8 +135,24 @@ def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
 
 
-def _iter_module(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in hf_model.named_parameters():
+def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with.
+
+    A plain model yields its own parameters (storage shared). A model with PEFT adapters (a
+    ``PeftModel``, or adapters injected into the HF model) yields the weights PEFT's forward
+    applies under the plain names: LoRA merged into new tensors, the model left unchanged
+    (``hf_paged.integration.peft``).
+
+    Raises:
+        ValueError: a weight on the meta device, or adapters the merge can't reproduce.
+    """
+    from hf_paged.integration import peft  # imports peft only where the process already has
+
+    if peft.is_peft_model(hf_model) or peft.tuner_modules(hf_model):
+        items = peft.merged_weights(hf_model)
+    else:
+        items = hf_model.named_parameters()
+    for name, tensor in items:
         if tensor.device.type == "meta":
             raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
         yield name, tensor
@@ -153,7 +172,9 @@ def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> Non
         FileNotFoundError: no safetensors checkpoint at ``source``.
     """
     router = _Router(model)
-    items = _iter_module(source) if isinstance(source, nn.Module) else _iter_safetensors(source)
+    items = (
+        iter_model_weights(source) if isinstance(source, nn.Module) else _iter_safetensors(source)
+    )
     with torch.no_grad():
         for hf_name, loaded in items:
             router.load(hf_name, loaded)
