@@ -27,6 +27,7 @@ from hf_paged.engine.outputs import (
     SchedulerOutput,
 )
 from hf_paged.engine.overlap import OverlapStepper, overlap_eligible
+from hf_paged.engine.prompt_logprobs import PromptLogprobState
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
@@ -53,6 +54,7 @@ class _Request:
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
     sync_only: bool = False  # overlapped stepping cannot serve it
     stop_ids: tuple[int, ...] = ()  # ids that end it: EOS (unless ignore_eos) + stop_token_ids
+    prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
 
 
 class LLMEngine:
@@ -158,6 +160,11 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.runtime.eos_token_ids
         req.stop_ids = tuple(eos) + params.stop_token_ids  # once, not per step
         self._num_sync_requests += req.sync_only
+        if params.prompt_logprobs is not None:
+            req.prompt_lps = PromptLogprobState(
+                ids, params.prompt_logprobs, params.prompt_logprobs_start
+            )
+            seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
         for i, seq in enumerate(seqs):
             self._seq_to_req[seq.seq_id] = req
             if params.seed is not None:
@@ -237,7 +244,7 @@ class LLMEngine:
             sample = start + n == len(seq)
             chunks.append(
                 ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start,
-                               seq.block_table, sample)
+                               seq.block_table, sample, self._prompt_rows(seq, start, n))
             )  # fmt: skip
             if sample:
                 sampled_seqs.append(seq)
@@ -248,6 +255,8 @@ class LLMEngine:
         internal = [s for i, s in enumerate(sampled_seqs) if i not in ext_rows]
         sampling = self._sampling_metadata(internal) if internal else None
         ro = self.executor.run(ModelInput(chunks), sampling, external)
+        if ro.prompt_logprobs is not None:
+            self._record_prompt_logprobs(chunks, ro.prompt_logprobs)
         ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token
         tokens = iter(ro.sampled_token_ids)
         sampled = []
@@ -265,6 +274,19 @@ class LLMEngine:
             if ro.logprobs is not None and req.params.logprobs is not None:
                 req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
             self._check_stop(seq, req.params)
+
+    def _prompt_rows(self, seq: Sequence, start: int, n: int):
+        state = self._seq_to_req[seq.seq_id].prompt_lps
+        if state is None or seq.seq_id != self._seq_to_req[seq.seq_id].seqs[0].seq_id:
+            return None
+        return state.rows_for(start, n)
+
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], scores: dict) -> None:
+        for c in chunks:
+            if c.seq_id in scores:
+                req = self._seq_to_req[c.seq_id]
+                req.prompt_lps.record(c, scores[c.seq_id])
+                req.seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
 
     def stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         return self._seq_to_req[seq.seq_id].stop_ids
@@ -327,7 +349,8 @@ class LLMEngine:
                 )
             lps = req.logprobs.get(seq.seq_id) if req.params.logprobs is not None else None
             outs.append(CompletionOutput(i, ids, text, seq.finish_reason, lps))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs)
+        plps = req.prompt_lps.entries if req.prompt_lps is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, plps)
 
     # ---- stats / lifecycle --------------------------------------------------------------
 

@@ -31,6 +31,7 @@ def overlap_eligible(params: SamplingParams, external: bool) -> bool:
     return (
         not external
         and params.logprobs is None
+        and params.prompt_logprobs is None
         and params.repetition_penalty == 1.0
         and (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
     )
