@@ -203,10 +203,12 @@ def _cmd_run(argv: list[str]) -> int:
     os.environ["HF_PAGED_BACKEND"] = "paged"  # child processes inherit it
     import hf_paged  # noqa: F401  (installs the dispatcher once the package does so on import)
     from hf_paged.integration import dispatch
+    from hf_paged.integration.lm_eval import install_lm_eval
     from hf_paged.integration.pipeline import install_pipeline
 
     dispatch.install()
     install_pipeline()
+    install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is installed)
     counter = PagedCallCounter()
     if report:
         counter.install()
