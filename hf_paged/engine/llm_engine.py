@@ -361,6 +361,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
