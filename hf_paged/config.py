@@ -150,6 +150,9 @@ class SamplingParams:
         max_tokens: most new tokens.
         min_tokens: stop tokens (EOS and ``stop_token_ids``) are masked until this many.
         stop_token_ids: extra ids that end the request (beside the model's EOS ids).
+        stop: stop strings (HF ``stop_strings`` semantics: the request stops as soon as one
+            overlaps the newest token; it stays in the output). Needs a tokenizer; such
+            requests step synchronously.
         ignore_eos: do not stop at EOS ids (``stop_token_ids`` still stop).
         seed: per-request seed; the same seed gives the same tokens whatever the batch.
         logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
@@ -171,6 +174,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
@@ -199,6 +203,10 @@ class SamplingParams:
         ):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(ids))  # normalise list -> tuple
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", self.stop, "a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
         if self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import torch
 from tqdm.auto import tqdm
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.request import EngineRequest, budget
 
 
 class LLM:
@@ -51,19 +53,16 @@ class LLM:
         """One RequestOutput per prompt, in input order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: a string, a list (or 1-D tensor) of token ids, or a list of either; a
+                2-D tensor is a batch of equal-length prompts.
             sampling_params: one SamplingParams for all prompts or one per prompt.
-            use_tqdm: show a progress bar.
+            use_tqdm: show a progress bar over generated tokens (of the most requested).
 
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
                 then, and the engine stays usable.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -80,35 +79,16 @@ class LLM:
                 raise TypeError(
                     f"sampling_params[{i}]={sp!r} is not allowed: must be a SamplingParams"
                 )
-        encoded = [self._encode(p) for p in prompts]  # validate everything before queueing
-        ids_in_order = []
+        # validate everything before queueing
+        requests = [EngineRequest(ids, sp, text) for (text, ids), sp in
+                    zip(map(self._encode, prompts), params)]  # fmt: skip
+        total = sum(budget(r.params) for r in requests)
+        bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
         try:
-            for (text, ids), sp in zip(encoded, params):
-                ids_in_order.append(self.engine.add_request(ids, sp, prompt=text))
-        except BaseException:
-            for rid in ids_in_order:
-                self.engine.abort(rid)
-            raise
-        return self._run(ids_in_order, use_tqdm)
-
-    def _run(self, request_ids: list, use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(request_ids)
-        done: dict = {}
-        bar = tqdm(total=len(request_ids), desc="hf_paged", disable=not use_tqdm)
-        try:
-            while len(done) < len(request_ids):
-                for out in self.engine.step().finished:
-                    if out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            for rid in wanted - set(done):
-                self.engine.abort(rid)
-            self.engine.step()  # drop the aborted requests' blocks
-            raise
+            return self.engine.run(requests, progress=bar.update)
         finally:
+            bar.n = min(bar.n, total)
             bar.close()
-        return [done[r] for r in request_ids]
 
     @property
     def stats(self) -> dict:
@@ -122,3 +102,22 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _as_prompt_list(prompts) -> list:
+    """A list of prompts: one string or one id sequence (list or 1-D tensor) becomes a list of one;
+    a 2-D tensor is one prompt per row."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            return [prompts.tolist()]
+        if prompts.dim() == 2:
+            return prompts.tolist()
+        raise ValueError(
+            f"prompts=<tensor of shape {tuple(prompts.shape)}> is not allowed: give a 1-D tensor "
+            "of token ids (one prompt) or a 2-D tensor (one prompt per row)"
+        )
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

@@ -11,7 +11,7 @@ stopped by the engine (except at ``max_model_len``). When its next-token logits 
 
 from __future__ import annotations
 
-import operator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -19,19 +19,17 @@ import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.outputs import (
-    CompletionOutput,
-    ModelInput,
-    RequestOutput,
-    ScheduledChunk,
-    SchedulerOutput,
-)
-from hf_paged.engine.overlap import OverlapStepper, overlap_eligible
+from hf_paged.engine.outputs import CompletionOutput, RequestOutput, ScheduledChunk, SchedulerOutput
+from hf_paged.engine.overlap import OverlapStepper, Resolved, overlap_eligible
 from hf_paged.engine.prompt_logprobs import PromptLogprobState
+from hf_paged.engine.request import EngineRequest, RequestGroup, validate_prompt
+from hf_paged.engine.request import run as _run_requests
+from hf_paged.engine.request import stream as _stream_requests
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.step_profile import StepProfile
+from hf_paged.engine.stop import StopStrings, StopStringsCache, check_stop
 from hf_paged.layers.sampler import SamplingMetadata
 
 
@@ -41,6 +39,7 @@ class StepResult:
     # external-sampling requests: request_id -> next-token raw logits [V] float32 (on the
     # engine's device)
     logits: dict = field(default_factory=dict)
+    num_generated_tokens: int = 0  # tokens sampled (or handed out as logits) by this step
 
 
 @dataclass
@@ -54,6 +53,7 @@ class _Request:
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
     sync_only: bool = False  # overlapped stepping cannot serve it
     stop_ids: tuple[int, ...] = ()  # ids that end it: EOS (unless ignore_eos) + stop_token_ids
+    stop_strings: StopStrings | None = None  # matcher for params.stop
     prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
 
 
@@ -95,42 +95,24 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         if overlap is None:  # auto: where the host has something to hide (one CUDA rank)
             overlap = self.runtime.device != "cpu" and self.config.tensor_parallel_size == 1
-        self._overlap = OverlapStepper(self) if overlap else None
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             self.runtime.max_model_len,
         )
+        self._overlap = (
+            OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
+        )
+        self._stop_matchers = StopStringsCache()
 
     # ---- requests -----------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids) -> list[int]:
         """The prompt as a list of ints; ValueError naming what is wrong."""
-        if isinstance(prompt_token_ids, torch.Tensor):
-            prompt_token_ids = prompt_token_ids.tolist()
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
-        vocab = self.runtime.vocab_size
-        for pos, t in enumerate(ids):
-            try:  # ints, numpy ints and integer 0-d tensors; not bools, floats or strings
-                ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(
-                    f"prompt_token_ids[{pos}]={t!r} is not allowed: token ids must be ints in "
-                    f"[0, {vocab}) (the model's vocab_size)"
-                )
-            ids[pos] = operator.index(t)
-        limit = self.runtime.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"prompt length {len(ids)} is not allowed: it must be < max_model_len={limit} "
-                "(room for at least one new token)"
-            )
-        return ids
+        return validate_prompt(
+            prompt_token_ids, self.runtime.vocab_size, self.runtime.max_model_len
+        )
 
     def add_request(
         self,
@@ -140,9 +122,17 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         external_sampling: bool = False,
+        stop_strings: StopStrings | None = None,
     ) -> int | str:
-        """Queue a request; returns its id. Raises ValueError/TypeError and queues nothing
-        when the input is bad."""
+        """Queue a request; returns its id.
+
+        Args:
+            stop_strings: a matcher for ``params.stop`` built with the caller's tokenizer;
+                None = built from the engine's tokenizer.
+
+        Raises:
+            ValueError / TypeError: bad input (named in the message); nothing is queued then.
+        """
         self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -150,11 +140,12 @@ class LLMEngine:
         ids = self.validate_prompt(prompt_token_ids)
         if external_sampling and params.n != 1:
             raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+        matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
         rid = next(self._ids) if request_id is None else request_id
         if rid in self._requests:
             raise ValueError(f"request_id={rid!r} is not allowed: it is already in use")
         seqs = [Sequence(ids, params, request_id=rid) for _ in range(params.n)]
-        req = _Request(rid, prompt, ids, params, seqs, external_sampling)
+        req = _Request(rid, prompt, ids, params, seqs, external_sampling, stop_strings=matcher)
         self._requests[rid] = req
         req.sync_only = not overlap_eligible(params, external_sampling)
         eos = () if params.ignore_eos else self.runtime.eos_token_ids
@@ -206,14 +197,33 @@ class LLMEngine:
         else:
             self.scheduler.running.append(seq)
 
+    # ---- driving requests ---------------------------------------------------------------
+
+    def request_group(self) -> RequestGroup:
+        """A group for step-wise callers: ``with engine.request_group() as g: g.add(...);
+        g.step() ...``; leaving it by an exception aborts and drains its open requests."""
+        return RequestGroup(self)
+
+    def stream(self, requests: Iterable[EngineRequest], *, max_in_flight: int | None = None,
+               progress: Callable[[int], None] | None = None):  # fmt: skip
+        """Yield ``(input index, RequestOutput)`` as requests finish (see ``request.stream``)."""
+        return _stream_requests(self, requests, max_in_flight=max_in_flight, progress=progress)
+
+    def run(self, requests: Iterable[EngineRequest], **kwargs) -> list[RequestOutput]:
+        """Every request to completion, outputs in input order (``stream``'s keywords)."""
+        return _run_requests(self, requests, **kwargs)
+
     # ---- stepping -----------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """One forward pass over what the scheduler picks; reports finished requests and the
+        logits of external-sampling requests."""
         self._check_open()
         result = StepResult()
         overlap = self._overlap is not None and not self._num_sync_requests
         if self._overlap is not None and not overlap:
-            self._overlap.drain()  # a synchronous step needs every token on the host
+            # a synchronous step needs every token on the host
+            self._apply_resolved(self._overlap.drain())
         with self.profile.section("schedule"):
             out = self.scheduler.schedule()
             while out.is_empty and self._paused and self.scheduler.waiting:
@@ -222,9 +232,9 @@ class LLMEngine:
         with self.profile.section("step_total"):
             if out.is_empty:
                 if self._overlap is not None:
-                    self._overlap.drain()
+                    self._apply_resolved(self._overlap.drain())
             elif overlap:
-                self._overlap.launch(out)
+                self._launch(out, result)
             else:
                 self._run(out, result)
             self._collect_finished(result)
@@ -238,32 +248,27 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _run(self, out: SchedulerOutput, result: StepResult) -> None:
-        chunks, sampled_seqs = [], []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start = seq.num_computed_tokens
-            sample = start + n == len(seq)
-            chunks.append(
-                ScheduledChunk(seq.seq_id, seq.token_ids[start : start + n], start,
-                               seq.block_table, sample, self._prompt_rows(seq, start, n))
-            )  # fmt: skip
-            if sample:
-                sampled_seqs.append(seq)
+        """Synchronous step: run, append the sampled tokens, check stops."""
+        inp, sampled_seqs = out.model_input()
+        for seq, chunk in zip(out.seqs, inp.chunks, strict=True):
+            chunk.prompt_rows = self._prompt_rows(seq, chunk.start_pos, len(chunk.token_ids))
         external = tuple(
             i for i, s in enumerate(sampled_seqs) if self._seq_to_req[s.seq_id].external
         )
         ext_rows = set(external)
         internal = [s for i, s in enumerate(sampled_seqs) if i not in ext_rows]
         sampling = self._sampling_metadata(internal) if internal else None
-        ro = self.executor.run(ModelInput(chunks), sampling, external)
+        ro = self.executor.run(inp, sampling, external)
         if ro.prompt_logprobs is not None:
-            self._record_prompt_logprobs(chunks, ro.prompt_logprobs)
+            self._record_prompt_logprobs(inp.chunks, ro.prompt_logprobs)
         ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token
         tokens = iter(ro.sampled_token_ids)
         sampled = []
-        for c in chunks:
+        for c in inp.chunks:
             tok = next(tokens) if c.sample else None
             sampled.append(None if c.seq_id in ext_ids else tok)
         self.scheduler.update(out, sampled)
+        result.num_generated_tokens += len(sampled_seqs)
         for row, seq in enumerate(sampled_seqs):
             req = self._seq_to_req[seq.seq_id]
             if req.external:
@@ -273,7 +278,50 @@ class LLMEngine:
                 continue
             if ro.logprobs is not None and req.params.logprobs is not None:
                 req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
-            self._check_stop(seq, req.params)
+            hit = req.stop_strings is not None and req.stop_strings.matches(seq.token_ids)
+            reason = check_stop(
+                seq.num_output_tokens, seq.last_token_id, len(seq), req.params, req.stop_ids,
+                self.runtime.max_model_len, stop_string_hit=hit,
+            )  # fmt: skip
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _launch(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Overlapped step: launch ``out``, end what reaches a length limit, then apply the
+        tokens of the step launched before it."""
+        inp, rows = out.model_input()
+        sampling = self._sampling_metadata(rows) if rows else None
+        resolved = self._overlap.launch(out, inp, rows, sampling)
+        result.num_generated_tokens += len(rows)
+        for seq in rows:  # token values unknown: only the length limits can end it now
+            reason = check_stop(
+                seq.num_output_tokens, None, len(seq), seq.sampling_params, (),
+                self.runtime.max_model_len,
+            )  # fmt: skip
+            if reason is not None:
+                self._finish(seq, reason)  # its token arrives with the resolution
+        self._apply_resolved(resolved)
+
+    def _apply_resolved(self, resolved: list[Resolved]) -> None:
+        """Stop checks on tokens whose values just reached the host (overlapped stepping)."""
+        for r in resolved:
+            seq = r.seq
+            req = self._seq_to_req[seq.seq_id]
+            n_out = r.pos + 1 - seq.num_prompt_tokens
+            stopped = "stop" == check_stop(
+                n_out, r.token_id, r.pos + 1, req.params, req.stop_ids, self.runtime.max_model_len
+            )
+            if seq.is_finished:  # by a length limit at launch, or aborted
+                if stopped:
+                    del seq.token_ids[r.pos + 1 :]  # drop tokens launched after the stop
+                    if seq.finish_reason == "length":
+                        seq.finish_reason = "stop"  # as the synchronous path reports it
+                self._maybe_done.add(seq.seq_id)
+                continue
+            self.block_manager.cache_full_blocks(seq)
+            if stopped:
+                del seq.token_ids[r.pos + 1 :]  # drop the token of the step still in flight
+                self._finish(seq, "stop")
 
     def _prompt_rows(self, seq: Sequence, start: int, n: int):
         state = self._seq_to_req[seq.seq_id].prompt_lps
@@ -305,13 +353,6 @@ class LLMEngine:
             stop_token_ids=[self.stop_ids(s) for s in seqs],
             generators=[self._generators.get(s.seq_id) for s in seqs],
         )
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        last = seq.last_token_id
-        if seq.num_output_tokens >= params.min_tokens and last in self.stop_ids(seq):
-            self._finish(seq, "stop")
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.runtime.max_model_len:
-            self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

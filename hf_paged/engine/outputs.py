@@ -20,12 +20,22 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    def model_input(self) -> tuple[ModelInput, list[Sequence]]:
+        """The runner's view of this step, and the sequences it samples (in row order).
+
+        A chunk samples when it reaches the end of its sequence's known tokens."""
+        chunks, sampled = [], []
+        for seq, n in zip(self.seqs, self.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            sample = start + n == len(seq)
+            tokens = seq.token_ids[start : start + n]
+            chunks.append(ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample))
+            if sample:
+                sampled.append(seq)
+        return ModelInput(chunks), sampled
 
 
 @dataclass
@@ -81,10 +91,6 @@ class ModelInput:
     def is_decode(self) -> bool:
         """Every chunk is one token that is sampled (CUDA-graph eligible)."""
         return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
 
 
 @dataclass

@@ -16,7 +16,8 @@ Recipe::
 Each row gets what ``model.generate(**tokenizer(row, return_tensors="pt"), **generate_kwargs)``
 would give it alone (its new tokens, decoded with ``skip_special_tokens=True``): stock
 ``generate`` prepares every row (defaults, validation, processors) and the engine samples all
-rows of the map batch together, continuous batching them, with a tqdm bar over finished rows.
+rows of the map batch together, continuous batching them, with a tqdm bar over generated tokens
+(shown only on a terminal).
 Generate options the engine cannot sample itself (user logits processors or stopping criteria,
 a streamer, ...) make the whole map batch one left-padded ``generate(backend="paged")`` call
 instead: then a row gets what stock batched ``generate`` gives it in that padded batch.
@@ -34,6 +35,7 @@ import uuid
 import torch
 from tqdm.auto import tqdm
 
+from hf_paged.engine.request import EngineRequest, budget, draw_seeds
 from hf_paged.integration import dispatch
 from hf_paged.integration import generate as _generate
 from hf_paged.integration.sampling import native_plan
@@ -62,7 +64,7 @@ def paged_generate_map(
         output_column: column the decoded new text goes to.
         batch_size: rows per map batch, i.e. per engine run; ``fn.map_kwargs`` holds it.
         paged_config: EngineConfig keys for the engine (a path or a loaded model).
-        use_tqdm: a progress bar over each map batch's finished rows.
+        use_tqdm: a progress bar over each map batch's generated tokens (on a terminal only).
         **generate_kwargs: ``generate`` options (``max_new_tokens``, ``do_sample`` ...).
 
     Raises:
@@ -124,7 +126,19 @@ class PagedGenerateMap:
             raise ValueError(
                 f"column={self.column!r} is not allowed: the dataset's columns are {sorted(batch)}"
             )
-        prompts = [self._encode(row, i) for i, row in enumerate(batch[self.column])]
+        rows = batch[self.column]
+        if not isinstance(rows, list) or (
+            rows
+            and (all(isinstance(r, int) for r in rows) or all(isinstance(r, dict) for r in rows))
+        ):
+            # one row (a string, a chat, a list of ids), not a batch: Dataset.map without batched
+            shown = repr(rows) if len(repr(rows)) <= 60 else repr(rows)[:57] + "..."
+            raise ValueError(
+                f"{self.column}={shown} is one row, not a batch: this function needs "
+                "batched=True; call ds.map(fn, **fn.map_kwargs) (batched=True, "
+                f"batch_size={self.map_kwargs['batch_size']})"
+            )
+        prompts = [self._encode(row, i) for i, row in enumerate(rows)]
         if not prompts:
             return {self.output_column: []}
         new_tokens = self._generate(prompts)
@@ -170,11 +184,21 @@ class PagedGenerateMap:
             raise NotImplementedError(
                 f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
             ) from None
-        seeds = [None] * len(plans)
-        if any(p.temperature > 0 for p in plans):  # as generate(): seeds from torch's RNG
-            seeds = torch.randint(0, 2**62, (len(plans),)).tolist()
-        params = [p.sampling_params(s) for p, s in zip(plans, seeds, strict=True)]
-        return _run_requests(engine, prompts, params, self.use_tqdm)
+        seeds = draw_seeds(len(plans), any(p.temperature > 0 for p in plans))  # as generate()
+        requests = [
+            EngineRequest(prompt, plan.sampling_params(seed), stop_strings=plan.stop_strings)
+            for prompt, plan, seed in zip(prompts, plans, seeds, strict=True)
+        ]
+        total = sum(budget(r.params) for r in requests)
+        # disable=None: no bar when stderr is not a terminal, so logs get no cursor-up codes
+        # from a bar nested under Dataset.map's own
+        bar = tqdm(total=total, desc="hf_paged generate", unit="tok", leave=False,
+                   disable=None if self.use_tqdm else True)  # fmt: skip
+        try:
+            outs = engine.run(requests, progress=bar.update)
+        finally:
+            bar.close()
+        return [o.outputs[0].token_ids for o in outs]
 
     def _prepare(self, prompt: list[int]):
         """Stock's preparation of ``generate`` for this row alone: defaults, validation,
@@ -233,32 +257,3 @@ def _unpicklable(token: str):
         "a PagedGenerateMap can't be sent to another process (it holds an engine): "
         "call Dataset.map without num_proc"
     )
-
-
-def _run_requests(engine, prompts, params, use_tqdm: bool) -> list[list[int]]:
-    """All rows as engine requests, stepped to completion; new token ids per row in order.
-    On an error every open request is aborted and drained, so the engine stays usable."""
-    rids, done = [], {}
-    bar = tqdm(total=len(prompts), desc="hf_paged generate", disable=not use_tqdm, leave=False)
-    try:
-        for p, sp in zip(prompts, params, strict=True):
-            rids.append(engine.add_request(p, sp))
-        _step_until_done(engine, rids, done, bar.update)
-    except BaseException:
-        for rid in rids:
-            if rid not in done:
-                engine.abort(rid)
-        _step_until_done(engine, rids, done, lambda n: None)  # aborted ones report "abort"
-        raise
-    finally:
-        bar.close()
-    return [done[r].outputs[0].token_ids for r in rids]
-
-
-def _step_until_done(engine, rids: list, done: dict, progress) -> None:
-    wanted = set(rids)
-    while not wanted <= done.keys():
-        for out in engine.step().finished:
-            if out.request_id in wanted:
-                done[out.request_id] = out
-                progress(1)

@@ -27,6 +27,7 @@ from transformers.generation import (
 )
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.request import EngineRequest, RequestGroup, draw_seeds
 from hf_paged.integration.prepare import (  # noqa: F401  (re-exported)
     PagedFallback,
     PreparedCall,
@@ -61,60 +62,15 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, cache=None)
 
 
-class _Batch:
-    """The engine requests of one call. On an error every open one is aborted and drained, so
-    the engine stays usable."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.rids: list = []
-        self.outputs: dict = {}  # request_id -> RequestOutput once the engine reported it
-
-    def add(self, prompts: list[list[int]], params: list[SamplingParams], external: bool):
-        for prompt, p in zip(prompts, params, strict=True):
-            self.rids.append(self.engine.add_request(prompt, p, external_sampling=external))
-
-    def step(self):
-        res = self.engine.step()
-        for out in res.finished:
-            self.outputs[out.request_id] = out
-        return res
-
-    def close(self, rid) -> None:
-        """End ``rid`` now (paused or not); the engine reports it by a later step."""
-        if rid not in self.outputs:
-            self.engine.abort(rid)
-
-    def drain(self) -> None:
-        while any(r not in self.outputs for r in self.rids):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError("the engine lost requests of this generate call")
-            self.step()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            return
-        try:
-            for rid in self.rids:
-                self.close(rid)
-            self.drain()
-        except Exception:  # the original error matters more than a failed cleanup
-            pass
-
-
 def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
     """Engine-sampled rows -> ``[B, L + T]`` (rows that stopped early padded like stock)."""
     n = len(call.prompts)
-    seeds = [None] * n
-    if plan.temperature > 0:  # draw from torch's global RNG: torch.manual_seed reproduces a call
-        seeds = torch.randint(0, 2**62, (n,)).tolist()
-    with _Batch(engine) as batch:
-        batch.add(call.prompts, [plan.sampling_params(s) for s in seeds], external=False)
-        batch.drain()
-    new = [batch.outputs[r].outputs[0].token_ids for r in batch.rids]
+    seeds = draw_seeds(n, plan.temperature > 0)
+    requests = [
+        EngineRequest(p, plan.sampling_params(s), stop_strings=plan.stop_strings)
+        for p, s in zip(call.prompts, seeds, strict=True)
+    ]
+    new = [out.outputs[0].token_ids for out in engine.run(requests)]
     width = max(len(t) for t in new)
     pad = call.pad_token_id if call.pad_token_id is not None else 0  # unequal only with an EOS
     ids = call.input_ids
@@ -125,7 +81,7 @@ def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
     return out
 
 
-def _collect_logits(batch: _Batch, rids: list, budget: int) -> dict:
+def _collect_logits(batch: RequestGroup, rids: list, budget: int) -> dict:
     """Step until every request in ``rids`` has its next-token logits; ``{rid: [V] float32}``."""
     want, got = set(rids), {}
     for _ in range(budget):
@@ -163,8 +119,9 @@ def _run_external(engine, call: PreparedCall):
     open_rows = list(range(n))
     params = SamplingParams(temperature=0.0, max_tokens=call.max_new_tokens)
     prompt_tokens = sum(len(p) for p in call.prompts)
-    with _Batch(engine) as batch:
-        batch.add(call.prompts, [params] * n, external=True)
+    with engine.request_group() as batch:
+        for prompt in call.prompts:
+            batch.add(EngineRequest(prompt, params), external_sampling=True)
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
         for step in range(call.max_new_tokens):
@@ -201,7 +158,7 @@ def _run_external(engine, call: PreparedCall):
     return input_ids, scores, raw_logits
 
 
-def _gather_logits(batch: _Batch, open_rows: list[int], n: int, budget: int) -> torch.Tensor:
+def _gather_logits(batch: RequestGroup, open_rows: list[int], n: int, budget: int) -> torch.Tensor:
     """``[B, V]`` raw next-token logits; rows no longer in the engine get zeros."""
     got = _collect_logits(batch, [batch.rids[i] for i in open_rows], budget)
     rows = [got.get(batch.rids[i]) for i in range(n)]

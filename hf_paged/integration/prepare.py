@@ -15,6 +15,13 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation import GenerationMode, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StopStringCriteria,
+)
+
+_STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
 # values ...) changes what the model computes, so the call runs stock
@@ -148,7 +155,8 @@ def prepare_call(
         criteria=criteria,
         streamer=streamer,
         user_processors=bool(logits_processor),
-        user_criteria=bool(stopping_criteria),
+        # transformers' own max-length / EOS / stop-string criteria are planned natively
+        user_criteria=any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ()),
         left_padded=bool((keep[:, 1:] >= keep[:, :-1]).all()),
     )
 

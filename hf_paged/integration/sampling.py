@@ -13,7 +13,7 @@ No engine and no model here: plain objects in, ``SamplingParams`` (or the reason
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import (
@@ -25,9 +25,14 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StopStringCriteria,
+)
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.stop import StopStrings
 
 _NEG_INF = float("-inf")
 
@@ -45,6 +50,8 @@ class NativePlan:
     min_tokens: int  # call's EOS ids masked until this many new tokens
     # the call's EOS ids; ignore_eos=True so the engine's own EOS ids neither stop nor get masked
     stop_token_ids: tuple[int, ...]
+    # the call's StopStringCriteria as an engine matcher (None: no stop strings)
+    stop_strings: StopStrings | None = field(default=None, compare=False)
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The engine request for one row; ``seed`` only matters when sampling."""
@@ -57,6 +64,7 @@ class NativePlan:
             max_tokens=self.max_tokens,
             min_tokens=min(self.min_tokens, self.max_tokens),
             stop_token_ids=self.stop_token_ids,
+            stop=self.stop_strings.stop if self.stop_strings is not None else (),
             ignore_eos=True,
             seed=seed if self.temperature > 0 else None,
         )
@@ -133,16 +141,20 @@ def plan_native(
         else:
             raise NotNative(f"logits processor {kind.__name__}")
 
-    max_length, stop_ids = None, ()
+    max_length, stop_ids, stop_strings = None, (), None
     for c in criteria:
         if type(c) is MaxLengthCriteria:
             max_length = int(c.max_length)
         elif type(c) is EosTokenCriteria:
             stop_ids = _ids(c.eos_token_id)
+        elif type(c) is StopStringCriteria and stop_strings is None:
+            stop_strings = StopStrings(c)
         else:
             raise NotNative(f"stopping criterion {type(c).__name__}")
     if max_length is None:
         raise NotNative("no max_length")
+    if stop_strings is not None and min_tokens > 0:
+        raise NotNative("stop strings with a min length (HF matches them before it)")
     if min_tokens > 0 and min_eos is not None and set(min_eos) != set(stop_ids):
         raise NotNative("min length masking ids other than the stop ids")
     return NativePlan(
@@ -155,6 +167,7 @@ def plan_native(
         max_tokens=max(1, max_length - input_length),
         min_tokens=max(0, min_tokens),
         stop_token_ids=stop_ids,
+        stop_strings=stop_strings,
     )
 
 
@@ -168,7 +181,7 @@ def _check_warper(p) -> None:
 def native_plan(call, vocab_size: int) -> NativePlan | None:
     """``plan_native`` for a prepared generate call; None when it must sample externally."""
     try:
-        return plan_native(
+        plan = plan_native(
             call.processors,
             call.criteria,
             do_sample=bool(call.generation_config.do_sample),
@@ -178,3 +191,21 @@ def native_plan(call, vocab_size: int) -> NativePlan | None:
         )
     except NotNative:
         return None
+    if plan.stop_strings is not None and not _stop_strings_native(call, plan):
+        return None
+    return plan
+
+
+def _stop_strings_native(call, plan: NativePlan) -> bool:
+    """Whether the engine's stop-string matching sees what stock's does for every row.
+
+    Stock matches on the padded row: its window (the last ``window`` tokens) must hold no pad,
+    so a padded row's prompt plus its first new token must fill the window. A row that stops
+    keeps getting tokens in stock unless the call has an EOS criterion (then pads, as here)
+    or the row is alone (then the loop ends)."""
+    if not plan.stop_token_ids and len(call.prompts) > 1:
+        return False
+    if not call.left_padded:
+        return False
+    width, window = call.input_ids.shape[1], plan.stop_strings.window
+    return all(len(p) == width or len(p) + 1 >= window for p in call.prompts)

@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
+from hf_paged.engine.request import RequestGroup, run, stream
 
 
 @dataclass
@@ -43,11 +44,13 @@ class _Req:
     paused: bool = False
     reason: str | None = None
     generator: torch.Generator | None = None
+    stop_strings: object = None
 
 
 class FakeEngine:
     """Same surface as ``LLMEngine`` for the integration: add_request / step / provide_token /
-    abort / has_unfinished_requests / close, ``runtime`` and ``config``."""
+    abort / has_unfinished_requests / close / request_group / stream / run, ``runtime`` and
+    ``config``."""
 
     instances: list[FakeEngine] = []
 
@@ -71,7 +74,10 @@ class FakeEngine:
         self.num_forward_rows = 0
         FakeEngine.instances.append(self)
 
-    def add_request(self, prompt_token_ids, params, request_id=None, *, external_sampling=False):
+    def add_request(
+        self, prompt_token_ids, params, request_id=None, *, prompt=None, external_sampling=False,
+        stop_strings=None,
+    ):  # fmt: skip
         if self.closed:
             raise RuntimeError("closed")
         prompt = list(prompt_token_ids)
@@ -82,7 +88,10 @@ class FakeEngine:
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
         wait = self.prefill_steps(prompt)
-        self.requests[rid] = _Req(rid, prompt, params, external_sampling, [], wait, generator=gen)
+        self.requests[rid] = _Req(
+            rid, prompt, params, external_sampling, [], wait, generator=gen,
+            stop_strings=stop_strings,
+        )  # fmt: skip
         self.num_added += 1
         return rid
 
@@ -135,7 +144,8 @@ class FakeEngine:
             stop = set(p.stop_token_ids) | (
                 set() if p.ignore_eos else set(self.runtime.eos_token_ids)
             )
-            if len(req.tokens) >= p.min_tokens and tok in stop:
+            hit = req.stop_strings is not None and req.stop_strings.matches(req.prompt + req.tokens)
+            if len(req.tokens) >= p.min_tokens and (tok in stop or hit):
                 req.reason = "stop"
             elif len(req.tokens) >= p.max_tokens:
                 req.reason = "length"
@@ -164,6 +174,16 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # the real engine's request loop, over this surface
+    def request_group(self):
+        return RequestGroup(self)
+
+    def stream(self, requests, **kwargs):
+        return stream(self, requests, **kwargs)
+
+    def run(self, requests, **kwargs):
+        return run(self, requests, **kwargs)
 
     def close(self) -> None:
         self.closed = True

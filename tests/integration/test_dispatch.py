@@ -268,7 +268,6 @@ def test_mapping_lengths(llama):
         dict(do_sample=True, typical_p=0.5),
         dict(bad_words_ids=[[5]]),
         dict(suppress_tokens=[5]),
-        dict(stop_strings=["x"], tokenizer=object()),
         dict(max_time=10.0),
         dict(return_dict_in_generate=True, output_scores=True),
         dict(logits_processor=LogitsProcessorList([lambda ids, s: s])),
@@ -277,11 +276,22 @@ def test_mapping_lengths(llama):
     ids=lambda kw: next(iter(kw)),
 )
 def test_mapping_goes_external(llama, kw):
-    if "stop_strings" in kw:
-        from tests.integration.parity_utils import build_tokenizer
-
-        kw = dict(kw, tokenizer=build_tokenizer())
     _, plan = _plan(llama, max_new_tokens=3, **kw)
+    assert plan is None
+
+
+def test_mapping_stop_strings(llama):
+    """Stop strings run in the engine unless stock's window could see a left pad, or a
+    min length applies (stock matches before it)."""
+    from tests.integration.parity_utils import build_tokenizer
+
+    tok = build_tokenizer()
+    _, plan = _plan(llama, max_new_tokens=3, stop_strings=["ab", "c"], tokenizer=tok)
+    assert plan.sampling_params().stop == ("ab", "c")
+    # rows are 3 and 5 tokens wide: a 5-character stop string reaches into the 3-row's pads
+    _, plan = _plan(llama, max_new_tokens=3, stop_strings=["abcde"], tokenizer=tok)
+    assert plan is None
+    _, plan = _plan(llama, max_new_tokens=3, min_new_tokens=2, stop_strings=["a"], tokenizer=tok)
     assert plan is None
 
 
