@@ -33,6 +33,7 @@ import warnings
 
 from tqdm.auto import tqdm
 
+from hf_paged.engine.request import EngineRequest
 from hf_paged.integration import dispatch
 from hf_paged.integration.dispatch import PagedFallbackWarning
 from hf_paged.integration.lm_eval_requests import (
@@ -160,7 +161,8 @@ def _active(lm) -> bool:
 
 
 def engine_for(lm, max_model_len: int):
-    """The paged engine of ``lm``'s model, with room for ``max_model_len`` tokens.
+    """The paged engine of ``lm``'s model, with room for ``max_model_len`` tokens (the model's
+    engine config, ``hf_paged.configure``, is raised to that when it is lower).
 
     Raises:
         NotServed: the call or the model is something the engine does not reproduce.
@@ -177,36 +179,21 @@ def engine_for(lm, max_model_len: int):
         raise NotServed(*reason)
     engine = dispatch.get_engine(model)
     if engine.runtime.max_model_len < max_model_len:
+        # kept as the model's engine config, so later calls reuse this engine
         config = dataclasses.replace(engine.config, max_model_len=max_model_len)
-        engine = dispatch.get_engine(model, config)
+        dispatch.configure(model, **dataclasses.asdict(config))
+        engine = dispatch.get_engine(model)
     return engine
 
 
-def run_requests(engine, prompts, params, desc: str, disable: bool) -> list:
-    """One engine run over every request; RequestOutputs in input order."""
-    outs: list = [None] * len(prompts)
-    with tqdm(total=len(prompts), desc=desc, disable=disable) as bar:
-        for i, out in _stream(engine, prompts, params):
+def run_requests(engine, requests: list, desc: str, disable: bool) -> list:
+    """One engine run over every ``EngineRequest``; RequestOutputs in input order."""
+    outs: list = [None] * len(requests)
+    with tqdm(total=len(requests), desc=desc, disable=disable) as bar:
+        for i, out in engine.stream(requests):
             outs[i] = out
             bar.update(1)
     return outs
-
-
-def _stream(engine, prompts, params):
-    rids = {}
-    try:
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            rids[engine.add_request(p, sp)] = i
-        while rids:
-            for out in engine.step().finished:
-                if out.request_id in rids:
-                    yield rids.pop(out.request_id), out
-    finally:
-        for rid in rids:
-            engine.abort(rid)
-        while rids and engine.has_unfinished_requests():
-            for out in engine.step().finished:
-                rids.pop(out.request_id, None)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -224,8 +211,7 @@ def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_b
     order = wave_order(prompts, starts, engine.config.max_num_batched_tokens)
     outs = run_requests(
         engine,
-        [prompts[i] for i in order],
-        [score_params(starts[i]) for i in order],
+        [EngineRequest(prompts[i], score_params(starts[i])) for i in order],
         "Running loglikelihood requests (paged)",
         disable_tqdm or self.rank != 0,
     )

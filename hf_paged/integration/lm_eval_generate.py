@@ -19,9 +19,32 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.request import EngineRequest
 from hf_paged.integration.lm_eval import NotServed, engine_for, run_requests
 from hf_paged.integration.prepare import PagedFallback, prepare_call
 from hf_paged.integration.sampling import native_plan
+
+
+class UntilMatcher:
+    """lm-eval's stop rule (``MultiTokenEOSCriteria``) as the engine's stop-string matcher.
+
+    Stock marks a row done once a stop string ``s`` is in the decoding (special tokens kept) of
+    its last ``len(encode(s)) + 2`` generated tokens; the prompt never counts. Here one decoding
+    of the longest of those windows serves every stop string: it contains each shorter window's
+    text, so a row stops no later than a stock batch of one would, and never before a stop
+    string is in its generated text, after which stock's trimming gives the same text.
+    """
+
+    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int):
+        self.tokenizer = tokenizer
+        self.stop = tuple(lookback)  # == params.stop
+        self.window = max(lookback.values())
+        self.prompt_len = prompt_len
+
+    def matches(self, token_ids: list[int]) -> bool:
+        start = max(self.prompt_len, len(token_ids) - self.window)
+        text = self.tokenizer.decode(token_ids[start:])
+        return any(s in text for s in self.stop)
 
 
 @dataclass
@@ -31,6 +54,7 @@ class _Row:
     until: list[str]  # stop strings, EOS text included
     prompt: list[int]
     params: SamplingParams
+    matcher: UntilMatcher | None  # for params.stop
 
 
 def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
@@ -55,8 +79,7 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
         rows.extend(_rows(lm, engine, chunk, plans))
     outs = run_requests(
         engine,
-        [r.prompt for r in rows],
-        [r.params for r in rows],
+        [EngineRequest(r.prompt, r.params, stop_strings=r.matcher) for r in rows],
         "Running generate_until requests (paged)",
         disable_tqdm or lm.rank != 0,
     )
@@ -97,6 +120,8 @@ def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
         )
     if "max_length" in kwargs:
         raise NotServed("max_length", "max_length in gen_kwargs counts from the padded batch")
+    stops = tuple(s for s in until if s)  # stock skips '' when it trims
+    lookback = {s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in stops}
     ids, mask = lm.tok_batch_encode(
         list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
     )  # [B, W] left padded
@@ -104,10 +129,11 @@ def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
     for context, row, keep in zip(contexts, ids, mask.bool(), strict=True):
         prompt = row[keep].tolist()
         params = _params(lm, engine, prompt, dict(kwargs), max_gen_toks, plans)
-        stops = tuple(s for s in until if s)
-        if stops and "stop" in {f.name for f in dataclasses.fields(SamplingParams)}:
+        matcher = None
+        if stops:
             params = dataclasses.replace(params, stop=stops)
-        rows.append(_Row(context, gen_kwargs, until, prompt, params))
+            matcher = UntilMatcher(lm.tokenizer, lookback, len(prompt))
+        rows.append(_Row(context, gen_kwargs, until, prompt, params, matcher))
     return rows
 
 
@@ -120,7 +146,9 @@ def _params(lm, engine, prompt, kwargs: dict, max_gen_toks: int, plans: dict) ->
         kwargs["do_sample"] = do_sample = False
     if do_sample is False and kwargs["temperature"] == 0.0:
         kwargs.pop("temperature")
-    key = (len(prompt), max_gen_toks, repr(sorted(kwargs.items())))
+    # the plan depends on the prompt's length only through an absolute min_length
+    absolute = kwargs.get("min_length") or lm.model.generation_config.min_length
+    key = (len(prompt) if absolute else None, max_gen_toks, repr(sorted(kwargs.items())))
     plan = plans.get(key)
     if plan is None:
         ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)

@@ -231,3 +231,93 @@ def test_install_registers_model_and_uninstall_restores():
     original = adapter._originals["generate_until"]
     adapter.uninstall_lm_eval()
     assert HFLM.generate_until is original and not adapter.is_lm_eval_installed()
+
+
+def test_until_matcher_is_lm_evals_criterion():
+    """UntilMatcher stops at the step where lm-eval's MultiTokenEOSCriteria marks a row done,
+    and never on a stop string that starts in the prompt (HF stop_strings would)."""
+    import torch
+    from lm_eval.models.utils_hf import MultiTokenEOSCriteria
+
+    from hf_paged.integration.lm_eval_generate import UntilMatcher
+    from hf_paged.testing import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    stops = ["\n\n", "ab", "c"]
+    lookback = {s: len(tok.encode(s, add_special_tokens=False)) + 2 for s in stops}
+    prompt = tok.encode("Q: x\n", add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(200):
+        gen = tok.encode("".join(rng.choice("ab\nxc") for _ in range(6)), add_special_tokens=False)
+        m = UntilMatcher(tok, lookback, len(prompt))
+        crits = [MultiTokenEOSCriteria(s, tok, len(prompt), 1) for s in stops]
+        for n in range(1, len(gen) + 1):
+            ids = torch.tensor([prompt + gen[:n]])
+            want = any([c(ids, None) for c in crits])  # every criterion sees every step
+            assert m.matches(prompt + gen[:n]) == want, (gen[:n],)
+            if want:
+                break
+    assert not UntilMatcher(tok, lookback, len(prompt)).matches(prompt + tok.encode("\n"))
+
+
+@pytest.fixture
+def hflm(tmp_path):
+    """An in-process stock HFLM on the tiny model, with the adapter installed; the paged
+    backend switch is left off and the engine released afterwards."""
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_paged.integration import dispatch
+    from hf_paged.integration import lm_eval as adapter
+
+    adapter.install_lm_eval()
+    lm = HFLM(pretrained=save_demo_model(str(tmp_path / "m")), device="cpu", dtype="float32",
+              batch_size=4)  # fmt: skip
+    yield lm, dispatch, adapter
+    dispatch.set_default_backend(None)
+    dispatch.release(lm.model)
+    adapter.uninstall_lm_eval()
+
+
+def _score_requests(n_ctx: int, n_cont: int):
+    rng = random.Random(1)
+    out = []
+    for _ in range(n_ctx):
+        ctx = [rng.randrange(4, 99) for _ in range(rng.randint(36, 44))]
+        for _ in range(n_cont):
+            out.append((None, ctx, [rng.randrange(4, 99) for _ in range(rng.randint(1, 6))]))
+    return out
+
+
+def test_loglikelihood_shares_contexts(hflm):
+    """Continuations of one context reuse its KV through the prefix cache (small step budget,
+    so the waves of ``wave_order`` run in different steps) and still equal stock."""
+    lm, dispatch, _ = hflm
+    reqs = _score_requests(6, 3)
+    dispatch.set_default_backend("hf")
+    stock = lm._loglikelihood_tokens(reqs)
+    dispatch.set_default_backend("paged")
+    dispatch.configure(lm.model, max_num_batched_tokens=64, kv_block_size=8)
+    ours = lm._loglikelihood_tokens(reqs)
+    stats = dispatch.get_engine(lm.model).stats
+    # each context's 2nd and 3rd continuation may take its 4 full blocks (32 tokens) before the
+    # first scored row; those admitted in the step that computes the context cannot
+    assert stats["prefix_cache_hit_tokens"] >= 6 * 32
+    for (a, ga), (b, gb) in zip(stock, ours, strict=True):
+        assert close(a, b) and ga == gb
+
+
+def test_fallback_is_named(hflm):
+    """What the engine does not reproduce (here autocast) runs stock, with a named warning."""
+    import torch
+
+    from hf_paged import PagedFallbackWarning
+
+    lm, dispatch, adapter = hflm
+    reqs = _score_requests(2, 2)
+    lm.mixed_precision_dtype = torch.bfloat16
+    dispatch.set_default_backend("hf")
+    stock = lm._loglikelihood_tokens(reqs)
+    dispatch.set_default_backend("paged")
+    adapter._warned.clear()
+    with pytest.warns(PagedFallbackWarning, match=r"autocast"):
+        assert lm._loglikelihood_tokens(reqs) == stock
