@@ -3,6 +3,8 @@
 One engine owns one model (a checkpoint directory or an in-memory HF model whose weights it
 shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one forward pass over
 whatever the scheduler picked (prefill chunks and decodes mixed) and reports finished requests.
+Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act between
+steps; see ``request.py``), which abort and drain what is in flight when the caller stops early.
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
@@ -22,7 +24,7 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput, ScheduledChunk, SchedulerOutput
 from hf_paged.engine.overlap import OverlapStepper, Resolved, overlap_eligible
 from hf_paged.engine.prompt_logprobs import PromptLogprobState
-from hf_paged.engine.request import EngineRequest, RequestGroup, validate_prompt
+from hf_paged.engine.request import EngineRequest, RequestGroup, RequestStream, validate_prompt
 from hf_paged.engine.request import run as _run_requests
 from hf_paged.engine.request import stream as _stream_requests
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
@@ -205,7 +207,7 @@ class LLMEngine:
         return RequestGroup(self)
 
     def stream(self, requests: Iterable[EngineRequest], *, max_in_flight: int | None = None,
-               progress: Callable[[int], None] | None = None):  # fmt: skip
+               progress: Callable[[int], None] | None = None) -> RequestStream:  # fmt: skip
         """Yield ``(input index, RequestOutput)`` as requests finish (see ``request.stream``)."""
         return _stream_requests(self, requests, max_in_flight=max_in_flight, progress=progress)
 

@@ -42,7 +42,7 @@ def overlap_eligible(params: SamplingParams, external: bool) -> bool:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Resolved:
     """A placeholder whose value reached the host (already written into ``seq.token_ids``)."""
 

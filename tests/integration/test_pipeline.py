@@ -273,3 +273,26 @@ def test_datasets_map_bad_input(paged_pipe, stock_pipe):
         paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, batch_size=0)
     with pytest.raises(TypeError, match="model_or_path=int is not allowed"):
         paged_generate_map(3, stock_pipe.tokenizer)
+
+
+def test_datasets_map_without_batched_raises(paged_pipe, stock_pipe):
+    """Unbatched rows (a string, a list of ids, a chat) are one row, not a batch of them."""
+    fn = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, use_tqdm=False, **GREEDY)
+    ds = Dataset.from_dict({"prompt": ["ab", "cd"]})
+    with pytest.raises(ValueError, match=r"one row, not a batch.*batched=True.*fn.map_kwargs"):
+        ds.map(fn)
+    for row in ([5, 6, 7], CHAT):
+        with pytest.raises(ValueError, match=r"batched=True"):
+            fn({"prompt": row})
+    assert len(fn({"prompt": [[5, 6, 7], "ab"]})["generated"]) == 2  # a real batch still runs
+
+
+def test_datasets_map_logs_have_no_nested_bar_codes(paged_pipe, stock_pipe, capfd):
+    """Dataset.map's bar plus ours, written to a file (not a terminal): no cursor-up codes."""
+    fn = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, batch_size=2, **GREEDY)
+    ds = Dataset.from_dict({"prompt": PROMPTS})
+    capfd.readouterr()
+    out = ds.map(fn, **fn.map_kwargs)
+    err = capfd.readouterr().err
+    assert len(out["generated"]) == len(PROMPTS)
+    assert "\x1b[A" not in err

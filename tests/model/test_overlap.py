@@ -123,3 +123,23 @@ def test_default_is_auto_sync_on_cpu(variant):
         assert llm.engine._overlap is None  # CPU: nothing to hide
     with LLM(variant[0], async_scheduling=True) as llm:
         assert llm.engine._overlap is not None
+
+
+def test_stop_on_the_token_before_the_length_limit(variant):
+    """A stop id at new token k with max_tokens=k+2: overlapped stepping ends the sequence by
+    length at launch of token k+1 before token k's value is known; it must still report the
+    stop at k, as synchronous stepping does."""
+    path, _ = variant
+    prompts = make_prompts(8, 1, 20, seed=51)
+    base = run(path, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    chosen, params = [], []
+    for prompt, ((toks, _),) in zip(prompts, base):  # k: the first new token new to the output
+        k = next((k for k in range(1, 10) if toks[k] not in toks[:k]), None)
+        if k is not None:
+            chosen.append(prompt)
+            params.append(SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True,
+                                         stop_token_ids=[toks[k]]))  # fmt: skip
+    assert len(chosen) >= 4
+    sync = run(path, chosen, params)
+    assert all(r == "stop" and len(t) == p.max_tokens - 1 for ((t, r),), p in zip(sync, params))
+    assert run(path, chosen, params, async_scheduling=True) == sync
