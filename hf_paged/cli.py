@@ -206,10 +206,12 @@ def _cmd_run(argv: list[str]) -> int:
 
     envs.reset("HF_PAGED_BACKEND")  # this process reads it again too
     from hf_paged.integration import dispatch
+    from hf_paged.integration.lm_eval import install_lm_eval
     from hf_paged.integration.pipeline import install_pipeline
 
     dispatch.install()
     install_pipeline()
+    install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is installed)
     counter = PagedCallCounter()
     if report:
         counter.install()

@@ -201,6 +201,10 @@ class SamplingParams:
         ignore_eos: do not stop at EOS ids (``stop_token_ids`` still stop).
         seed: per-request seed; the same seed gives the same tokens whatever the batch.
         logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
+        prompt_logprobs: None = none; k >= 0 = per prompt token, its logprob under the model
+            given the tokens before it and the top k (``RequestOutput.prompt_logprobs``).
+        prompt_logprobs_start: first prompt position scored (>= 1; hf_paged's extension):
+            earlier entries are None and their KV may come from the prefix cache.
         skip_special_tokens: drop special tokens when detokenizing ``.text``.
     """
 
@@ -219,6 +223,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -234,6 +240,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0)
         _check_int("seed", self.seed, allow_none=True)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)
         ids = self.stop_token_ids
         if isinstance(ids, int) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids

@@ -78,7 +78,8 @@ class BlockManager:
         """The longest run of leading full blocks of ``seq`` already in the prefix cache.
 
         At most ``(len(seq) - 1) // block_size`` blocks are returned, so at least one token is
-        left to compute (its logits give the next token). Takes no references: pass the ids to
+        left to compute (its logits give the next token), and none past
+        ``seq.max_cached_tokens`` tokens when that is set. Takes no references: pass the ids to
         ``allocate_slots`` in the same step.
 
         A hit must match the stored ``(parent hash, tokens)`` exactly, so a collision of a
@@ -91,7 +92,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        max_hits = (len(seq) - 1) // bs
+        limit = len(seq) - 1
+        if seq.max_cached_tokens is not None:
+            limit = min(limit, seq.max_cached_tokens)
+        max_hits = limit // bs
         ids: list[int] = []
         parent: int | None = None
         for i in range(max_hits):

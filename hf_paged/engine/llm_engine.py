@@ -21,8 +21,9 @@ import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.outputs import CompletionOutput, RequestOutput, SchedulerOutput
+from hf_paged.engine.outputs import CompletionOutput, RequestOutput, ScheduledChunk, SchedulerOutput
 from hf_paged.engine.overlap import OverlapStepper, Resolved, overlap_eligible
+from hf_paged.engine.prompt_logprobs import PromptLogprobState
 from hf_paged.engine.request import EngineRequest, RequestGroup, RequestStream, validate_prompt
 from hf_paged.engine.request import run as _run_requests
 from hf_paged.engine.request import stream as _stream_requests
@@ -55,6 +56,7 @@ class _Request:
     sync_only: bool = False  # overlapped stepping cannot serve it
     stop_ids: tuple[int, ...] = ()  # ids that end it: EOS (unless ignore_eos) + stop_token_ids
     stop_strings: StopStrings | None = None  # matcher for params.stop
+    prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
 
 
 class LLMEngine:
@@ -151,6 +153,11 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.runtime.eos_token_ids
         req.stop_ids = tuple(eos) + params.stop_token_ids  # once, not per step
         self._num_sync_requests += req.sync_only
+        if params.prompt_logprobs is not None:
+            req.prompt_lps = PromptLogprobState(
+                ids, params.prompt_logprobs, params.prompt_logprobs_start
+            )
+            seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
         for i, seq in enumerate(seqs):
             self._seq_to_req[seq.seq_id] = req
             if params.seed is not None:
@@ -245,6 +252,8 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, result: StepResult) -> None:
         """Synchronous step: run, append the sampled tokens, check stops."""
         inp, sampled_seqs = out.model_input()
+        for seq, chunk in zip(out.seqs, inp.chunks, strict=True):
+            chunk.prompt_rows = self._prompt_rows(seq, chunk.start_pos, len(chunk.token_ids))
         external = tuple(
             i for i, s in enumerate(sampled_seqs) if self._seq_to_req[s.seq_id].external
         )
@@ -252,6 +261,8 @@ class LLMEngine:
         internal = [s for i, s in enumerate(sampled_seqs) if i not in ext_rows]
         sampling = self._sampling_metadata(internal) if internal else None
         ro = self.executor.run(inp, sampling, external)
+        if ro.prompt_logprobs is not None:
+            self._record_prompt_logprobs(inp.chunks, ro.prompt_logprobs)
         ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token
         tokens = iter(ro.sampled_token_ids)
         sampled = []
@@ -314,6 +325,19 @@ class LLMEngine:
                 del seq.token_ids[r.pos + 1 :]  # drop the token of the step still in flight
                 self._finish(seq, "stop")
 
+    def _prompt_rows(self, seq: Sequence, start: int, n: int):
+        state = self._seq_to_req[seq.seq_id].prompt_lps
+        if state is None or seq.seq_id != self._seq_to_req[seq.seq_id].seqs[0].seq_id:
+            return None
+        return state.rows_for(start, n)
+
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], scores: dict) -> None:
+        for c in chunks:
+            if c.seq_id in scores:
+                req = self._seq_to_req[c.seq_id]
+                req.prompt_lps.record(c, scores[c.seq_id])
+                req.seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
+
     def stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         return self._seq_to_req[seq.seq_id].stop_ids
 
@@ -368,7 +392,8 @@ class LLMEngine:
                 )
             lps = req.logprobs.get(seq.seq_id) if req.params.logprobs is not None else None
             outs.append(CompletionOutput(i, ids, text, seq.finish_reason, lps))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs)
+        plps = req.prompt_lps.entries if req.prompt_lps is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, plps)
 
     # ---- stats / lifecycle --------------------------------------------------------------
 
@@ -379,6 +404,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,

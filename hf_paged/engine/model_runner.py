@@ -22,6 +22,7 @@ from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
+from hf_paged.engine.prompt_logprobs import score_prompt_rows
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
@@ -321,6 +322,16 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logits_indices])
 
+    @torch.inference_mode()
+    def run_model_scoring(self, inp: ModelInput, input_ids, positions, meta, logits_indices):
+        """``run_model`` for a step with prompt-logprob rows (never a decode graph): also
+        returns seq_id -> PromptLogprob list on rank 0 (``score_prompt_rows``)."""
+        hidden = self.model(input_ids, positions, meta)  # [T, H]
+        logits = self.model.compute_logits(hidden[logits_indices])
+        scores = score_prompt_rows(self.model.compute_logits, hidden, inp.chunks,
+                                   meta.cu_seqlens_q_cpu)  # fmt: skip
+        return logits, scores
+
     def run(
         self,
         inp: ModelInput,
@@ -333,14 +344,18 @@ class ModelRunner:
         with prof.section("prepare"):
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
             input_ids, positions, meta, logits_idx = prepare(inp)
+        scores = None
         with prof.section("forward_launch"):
-            logits = self.run_model(input_ids, positions, meta, logits_idx)
+            if any(c.prompt_rows is not None for c in inp.chunks):
+                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+            else:
+                logits = self.run_model(input_ids, positions, meta, logits_idx)
         if self.rank != 0 or logits is None:
             return None
         num_rows = logits.shape[0]
         external = set(external_rows)
         internal = [i for i in range(num_rows) if i not in external]
-        out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
+        out = RunnerOutput(sampled_token_ids=[-1] * num_rows, prompt_logprobs=scores)
         if internal:
             rows = logits if not external else logits[internal]
             with prof.section("sample_launch"):

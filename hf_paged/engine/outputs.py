@@ -39,6 +39,37 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptRows:
+    """Rows of one chunk whose prompt logprobs are wanted (``SamplingParams.prompt_logprobs``).
+
+    Row ``first + j`` of the chunk (position ``start_pos + first + j``) scores the prompt token
+    ``target_ids[j]``, the token right after it.
+    """
+
+    first: int  # offset of the first scored row inside the chunk
+    target_ids: list[int]  # the next prompt token of each scored row
+    k: int  # top-k alternatives per row (0 = only the actual token)
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's score: its logprob given the tokens before it, and the top k.
+
+    ``rank`` is 1 when the token is the argmax (ties broken like ``torch.argmax``: lowest id
+    first), so ``rank == 1`` is lm-eval's ``is_greedy`` for that token.
+    """
+
+    token_id: int
+    logprob: float  # log_softmax in fp32 of the model's logits
+    rank: int  # 1 + how many ids come before it in (logprob desc, id asc) order
+    top: dict[int, float]  # the k most likely ids -> logprob, most likely first
+
+    def as_dict(self) -> dict[int, float]:
+        """vLLM's shape: {token_id: logprob} with the actual token and the top k."""
+        return {self.token_id: self.logprob, **self.top}
+
+
+@dataclass
 class ScheduledChunk:
     """One sequence's share of a step, as the ModelRunner sees it."""
 
@@ -47,6 +78,7 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
+    prompt_rows: PromptRows | None = None  # rows whose prompt logprobs the runner returns
 
 
 @dataclass
@@ -70,6 +102,8 @@ class RunnerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     # per sampled row: raw logits [V] (float32, on the device) when a request asked for them
     logits: list | None = None
+    # seq_id -> one PromptLogprob per row of its chunk's ``prompt_rows``, when a chunk has them
+    prompt_logprobs: dict[int, list[PromptLogprob]] | None = None
 
 
 @dataclass
@@ -91,6 +125,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (and
+    # for those before ``prompt_logprobs_start``); None when not asked
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     # the first completion's fields, for the common n == 1 case
     @property

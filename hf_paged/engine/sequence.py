@@ -44,6 +44,9 @@ class Sequence:
         self.num_preemptions: int = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival: int = arrival if arrival is not None else self.seq_id  # FCFS order key
+        # prefix-cache hits may cover at most this many leading tokens (None: no limit); set by
+        # the engine while prompt logprob rows are still to be computed
+        self.max_cached_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,172 @@
+"""HFLM.generate_until on the paged engine (see ``lm_eval.py`` for when it is used).
+
+Stock (``lm_eval/models/huggingface.py``) sorts the requests by context length, groups them by
+gen_kwargs, tokenizes each batch with ``tok_batch_encode`` (left padding, left truncation to
+``max_length - max_gen_toks``), calls ``model.generate(max_length=width + max_gen_toks, do_sample,
+stopping_criteria=one MultiTokenEOSCriteria per stop string, pad_token_id)`` and cuts each decoded
+row at the first occurrence of every stop string. Here the same sort, groups, batches and
+tokenization give each row's prompt (its attended tokens); every row then runs in one engine
+run, stopping at its own EOS, stop strings or ``max_gen_toks``, and is cut the same way. A row
+that stock keeps generating after its stop (batch-mates still running) is cut at the same
+place, so the text is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.config import SamplingParams
+from hf_paged.engine.request import EngineRequest
+from hf_paged.integration.lm_eval import NotServed, engine_for, run_requests
+from hf_paged.integration.prepare import PagedFallback, prepare_call
+from hf_paged.integration.sampling import native_plan
+
+
+class UntilMatcher:
+    """lm-eval's stop rule (``MultiTokenEOSCriteria``) as the engine's stop-string matcher.
+
+    Stock marks a row done once a stop string ``s`` is in the decoding (special tokens kept) of
+    its last ``len(encode(s)) + 2`` generated tokens; the prompt never counts. Here one decoding
+    of the longest of those windows serves every stop string: it contains each shorter window's
+    text, so a row stops no later than a stock batch of one would, and never before a stop
+    string is in its generated text, after which stock's trimming gives the same text.
+    """
+
+    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int):
+        self.tokenizer = tokenizer
+        self.stop = tuple(lookback)  # == params.stop
+        self.window = max(lookback.values())
+        self.prompt_len = prompt_len
+
+    def matches(self, token_ids: list[int]) -> bool:
+        start = max(self.prompt_len, len(token_ids) - self.window)
+        text = self.tokenizer.decode(token_ids[start:])
+        return any(s in text for s in self.stop)
+
+
+@dataclass
+class _Row:
+    context: str
+    gen_kwargs: dict  # as the request gave them (the cache key)
+    until: list[str]  # stop strings, EOS text included
+    prompt: list[int]
+    params: SamplingParams
+    matcher: UntilMatcher | None  # for params.stop
+
+
+def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
+    """The generated strings, in request order.
+
+    Raises:
+        NotServed: before anything runs, when a request needs stock ``generate``.
+    """
+    from lm_eval.models.utils import Collator, postprocess_generated_text
+
+    engine = engine_for(lm, lm.max_length + 1)
+    re_ords = Collator(
+        [req.args for req in requests],
+        sort_fn=lambda req: (-len(lm.tok_encode(req[0])), req[0]),
+        group_by="gen_kwargs",
+        group_fn=lambda x: x[1],
+    )
+    batch_size = lm.batch_size if isinstance(lm.batch_size, int) else 1
+    rows: list[_Row] = []
+    plans: dict = {}
+    for chunk in re_ords.get_batched(n=batch_size, batch_fn=None):
+        rows.extend(_rows(lm, engine, chunk, plans))
+    outs = run_requests(
+        engine,
+        [EngineRequest(r.prompt, r.params, stop_strings=r.matcher) for r in rows],
+        "Running generate_until requests (paged)",
+        disable_tqdm or lm.rank != 0,
+    )
+    think = lm.think_end_token
+    res = []
+    for row, out in zip(rows, outs, strict=True):
+        cont = list(out.token_ids)
+        if isinstance(think, int) and think in cont:
+            cont = cont[len(cont) - cont[::-1].index(think) :]
+        text = lm.tok_decode(cont)
+        if isinstance(think, int):
+            text = text.lstrip()
+        text = postprocess_generated_text(
+            generation=text,
+            stop=row.until,
+            think_end_token=think if isinstance(think, str) else None,
+        )
+        res.append(text)
+        lm.cache_hook.add_partial("generate_until", (row.context, row.gen_kwargs), text)
+    return re_ords.get_original(res)
+
+
+def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
+    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts and params."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+    contexts, all_gen_kwargs = zip(*chunk, strict=True)
+    gen_kwargs = all_gen_kwargs[0]  # one group: every row has the same
+    kwargs = normalize_gen_kwargs(gen_kwargs, lm.max_gen_toks)
+    eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    max_gen_toks = kwargs.pop("max_gen_toks")
+    max_ctx_len = lm.max_length - max_gen_toks
+    if max_ctx_len <= 0:
+        raise ValueError(
+            f"max_gen_toks={max_gen_toks} is not allowed: it must be less than the model's "
+            f"max_length ({lm.max_length})"
+        )
+    if "max_length" in kwargs:
+        raise NotServed("max_length", "max_length in gen_kwargs counts from the padded batch")
+    stops = tuple(s for s in until if s)  # stock skips '' when it trims
+    lookback = {s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in stops}
+    ids, mask = lm.tok_batch_encode(
+        list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
+    )  # [B, W] left padded
+    rows = []
+    for context, row, keep in zip(contexts, ids, mask.bool(), strict=True):
+        prompt = row[keep].tolist()
+        params = _params(lm, engine, prompt, dict(kwargs), max_gen_toks, plans)
+        matcher = None
+        if stops:
+            params = dataclasses.replace(params, stop=stops)
+            matcher = UntilMatcher(lm.tokenizer, lookback, len(prompt))
+        rows.append(_Row(context, gen_kwargs, until, prompt, params, matcher))
+    return rows
+
+
+def _params(lm, engine, prompt, kwargs: dict, max_gen_toks: int, plans: dict) -> SamplingParams:
+    """The engine's SamplingParams for stock's ``model.generate`` call on this row."""
+    # HFLM._model_generate's handling of temperature / do_sample
+    kwargs["temperature"] = kwargs.get("temperature", 0.0)
+    do_sample = kwargs.get("do_sample")
+    if kwargs["temperature"] == 0.0 and do_sample is None:
+        kwargs["do_sample"] = do_sample = False
+    if do_sample is False and kwargs["temperature"] == 0.0:
+        kwargs.pop("temperature")
+    # the plan depends on the prompt's length only through an absolute min_length
+    absolute = kwargs.get("min_length") or lm.model.generation_config.min_length
+    key = (len(prompt) if absolute else None, max_gen_toks, repr(sorted(kwargs.items())))
+    plan = plans.get(key)
+    if plan is None:
+        ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
+        try:
+            call = prepare_call(
+                lm.model,
+                inputs=ids,
+                attention_mask=torch.ones_like(ids),
+                max_length=len(prompt) + max_gen_toks,
+                pad_token_id=lm.tokenizer.pad_token_id,
+                use_cache=True,
+                **kwargs,
+            )
+        except PagedFallback as fb:
+            raise NotServed(fb.reason, fb.detail) from None
+        plan = native_plan(call, engine.runtime.vocab_size)
+        if plan is None:
+            raise NotServed("logits_processor", "the call needs processors the engine lacks")
+        plans[key] = plan
+    seed = int(torch.randint(0, 2**62, ())) if plan.temperature > 0 else None
+    return plan.sampling_params(seed)
