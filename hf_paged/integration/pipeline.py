@@ -140,7 +140,19 @@ def _build(original, bound, backend, paged_config):
         extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
     elif dispatch.is_installed():  # backend="hf": keep the pipeline stock whatever the default
         extra["backend"] = "hf"
+    if backend != "hf":  # many-input calls stream through one engine run
+        a["pipeline_class"] = _streaming_class(a.get("pipeline_class"))
     return original(*bound.args, **bound.kwargs)
+
+
+def _streaming_class(cls):
+    from transformers.pipelines.text_generation import TextGenerationPipeline
+
+    from hf_paged.integration.pipeline_stream import streaming_class
+
+    if cls is None:
+        cls = TextGenerationPipeline
+    return streaming_class(cls) if issubclass(cls, TextGenerationPipeline) else cls
 
 
 def _is_engine_config(value) -> bool:
