@@ -17,6 +17,10 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
+Either way the pipeline is a ``PagedTextGenerationPipeline`` (``pipeline_stream.py``): called on
+a list, a dataset or a generator it sends all inputs into one engine run, whatever
+``batch_size`` is, with stock's outputs in stock's order.
+
 Only code that looks ``pipeline`` up after ``install_pipeline()`` (``transformers.pipeline(...)``,
 or ``from transformers import pipeline`` executed later) sees the wrapper.
 """

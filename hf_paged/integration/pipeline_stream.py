@@ -126,8 +126,8 @@ class _Captured(Exception):
 
 
 class _CaptureModel:
-    """Stands in for ``pipe.model`` for one ``_forward`` call: records ``generate``'s keywords
-    (whatever this transformers version's ``_forward`` derives from the pipeline's options)."""
+    """Stands in for the pipeline's model in one ``_forward`` call: records ``generate``'s
+    keywords (whatever this transformers version's ``_forward`` derives from the options)."""
 
     def __init__(self, model):
         self._model = model
@@ -139,6 +139,17 @@ class _CaptureModel:
         if args:
             raise TypeError("a pipeline's generate call is expected to pass keywords only")
         raise _Captured(kwargs)
+
+
+class _PipelineView:
+    """The pipeline as ``_forward`` sees it, with ``model`` a ``_CaptureModel``."""
+
+    def __init__(self, pipe):
+        self._pipe = pipe
+        self.model = _CaptureModel(pipe.model)
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
 
 
 class BatchStream:
@@ -193,17 +204,14 @@ class BatchStream:
             return _Item(error=e)
 
     def _capture(self, inputs: dict) -> dict:
-        """The keywords ``_forward`` would call ``model.generate`` with for this batch."""
+        """The keywords ``_forward`` would call ``model.generate`` with for this batch (run on a
+        view of the pipeline whose model records them, so other threads' calls are untouched)."""
         pipe = self._pipe
         model_inputs = pipe._ensure_tensor_on_device(dict(inputs), device=pipe.device)
-        real = pipe.model
-        pipe.model = _CaptureModel(real)
         try:
-            pipe._forward(model_inputs, **self._forward_params)
+            type(pipe)._forward(_PipelineView(pipe), model_inputs, **self._forward_params)
         except _Captured as c:
             return c.kwargs
-        finally:
-            pipe.model = real
         raise RuntimeError("the pipeline's _forward did not call model.generate")
 
     def _prepare(self, item: _Item, engine, route) -> _Job | None:
