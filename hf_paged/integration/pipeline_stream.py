@@ -161,6 +161,7 @@ class BatchStream:
         self._forward_params = forward_params
         self._it = None
         self._next: _Item | None = None  # pulled, not yet handled
+        self._plans: dict = {}  # _plan_key -> (NativePlan, rows per input, pad id)
 
     def __len__(self) -> int:
         return len(self._loader)  # TypeError for an iterable input, as stock's
@@ -218,11 +219,21 @@ class BatchStream:
         """The batch's engine requests, or None (marks the item) when it needs the pipeline's
         own forward. Raises what stock's preparation of the call raises."""
         kwargs = {k: v for k, v in item.kwargs.items() if k not in _SWITCHES + _STOCK_ONLY}
+        ids = kwargs.get("input_ids")  # [in_b, W]
+        key = None if ids is None else _plan_key(kwargs, route.prep_model)
         try:
-            if kwargs.get("input_ids") is None or route.precheck(item.kwargs) is not None:
-                raise _generate.PagedFallback("stock", "")
-            call = _generate.prepare_call(route.prep_model, **kwargs)
-            plan = _generate.plan_call(call, engine)
+            if key in self._plans:  # stock prepared this call for another prompt already
+                plan, rows_per_input, pad = self._plans[key]
+                call = _Rows(ids.repeat_interleave(rows_per_input, dim=0), pad)
+                if max(map(len, call.prompts)) + plan.max_tokens > engine.runtime.max_model_len:
+                    plan = None  # what check_fits reports: stock's forward runs it
+            elif ids is None or route.precheck(item.kwargs) is not None:
+                plan = None
+            else:
+                call = _generate.prepare_call(route.prep_model, **kwargs)
+                plan = _generate.plan_call(call, engine)
+                if key is not None and plan is not None:
+                    self._plans[key] = (plan, len(call.prompts) // ids.shape[0], call.pad_token_id)
         except _generate.PagedFallback:
             plan = None
         if plan is None:
@@ -281,6 +292,55 @@ def _model_outputs(job: _Job) -> dict:
         "input_ids": input_ids,
         "prompt_text": job.item.inputs["prompt_text"],
     }
+
+
+# ---- one preparation for many prompts ------------------------------------------------------------
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+@dataclass
+class _Rows:
+    """The part of a PreparedCall that building requests and sequences reads."""
+
+    input_ids: object  # [B * n, W], rows repeated for num_return_sequences
+    pad_token_id: int | None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.input_ids.tolist()
+
+
+def _plan_key(kwargs: dict, model) -> tuple | None:
+    """A key under which batches get the same NativePlan from stock's preparation, or None.
+
+    Only unpadded batches whose lengths are relative (``max_new_tokens``, no absolute
+    ``max_length`` / ``min_length``) and whose options are plain values: then stock's processors
+    and criteria depend on the prompt only through its length L, and every length they hold is
+    L plus a constant (max_length = L + max_new_tokens, min new tokens), which the plan stores
+    as the constant. Stop strings see no pads in such rows, whatever L is.
+    """
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return None
+    gen = model.generation_config
+    if kwargs.get("max_new_tokens") is None or kwargs.get("max_length") is not None:
+        return None
+    if kwargs.get("min_length") or getattr(gen, "min_length", 0):
+        return None
+    items = []
+    for k, v in sorted(kwargs.items()):
+        if k in ("input_ids", "attention_mask"):
+            continue
+        if isinstance(v, _SIMPLE) or (
+            isinstance(v, (list, tuple)) and all(isinstance(x, _SIMPLE) for x in v)
+        ):
+            items.append((k, repr(v)))
+        elif k == "tokenizer":  # the same object for the whole call (stop strings)
+            items.append((k, id(v)))
+        else:  # a GenerationConfig, processors, criteria, a streamer: prepare every batch
+            return None
+    return (kwargs["input_ids"].shape[0], tuple(items))
 
 
 # ---- which engine a batch runs on ---------------------------------------------------------------

@@ -14,7 +14,7 @@ from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
 from hf_paged.cli import PagedCallCounter
-from hf_paged.integration import dispatch
+from hf_paged.integration import dispatch, generate
 from hf_paged.integration.pipeline import (
     install_pipeline,
     is_pipeline_installed,
@@ -81,8 +81,15 @@ def _no_leaks(engine) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_size):
+def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_size, monkeypatch):
+    prepared = []
+    real = generate.prepare_call
+    monkeypatch.setattr(
+        generate, "prepare_call", lambda *a, **k: prepared.append(1) or real(*a, **k)
+    )
     out = paged_pipe(MANY, batch_size=batch_size, **GREEDY)
+    # unpadded rows with max_new_tokens share one preparation; padded batches each have their own
+    assert len(prepared) == (1 if batch_size == 1 else 8)
     assert out == stock_many[batch_size]
     assert len({r[0]["generated_text"] for r in out}) > 32  # the rows differ: a real check
     stats = paged_pipe.model.engine.stats
@@ -166,6 +173,11 @@ def test_per_call_stop_strings_and_lengths(paged_pipe, stock_pipe, counter):
     assert out[0][0]["generated_text"].endswith(stop)
     kw = dict(max_new_tokens=3, min_new_tokens=2, do_sample=False)
     assert paged_pipe(MANY[:8], batch_size=4, **kw) == stock_pipe(MANY[:8], batch_size=4, **kw)
+    kw = dict(max_length=len(MANY[7]) + 2, do_sample=False)  # absolute: budgets differ by row
+    out = paged_pipe(MANY[:8], **kw)
+    assert out == stock_pipe(MANY[:8], **kw)
+    ids = [r[0]["generated_token_ids"] for r in paged_pipe(MANY[:8], return_tensors=True, **kw)]
+    assert [len(t) for t in ids] == [max(kw["max_length"], len(p) + 1) for p in MANY[:8]]
     assert counter.calls == 0
 
 
