@@ -21,6 +21,7 @@ loop would; the engine's requests are aborted and drained first.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -141,15 +142,14 @@ class _CaptureModel:
         raise _Captured(kwargs)
 
 
-class _PipelineView:
-    """The pipeline as ``_forward`` sees it, with ``model`` a ``_CaptureModel``."""
-
-    def __init__(self, pipe):
-        self._pipe = pipe
-        self.model = _CaptureModel(pipe.model)
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
+def _capturing_view(pipe):
+    """A shallow copy of the pipeline (same class, same attributes) whose ``model`` is a
+    ``_CaptureModel``: ``_forward`` runs on it as on the pipeline; other threads' calls on the
+    pipeline itself are untouched."""
+    view = object.__new__(type(pipe))
+    view.__dict__.update(pipe.__dict__)
+    view.model = _CaptureModel(pipe.model)
+    return view
 
 
 class BatchStream:
@@ -178,15 +178,15 @@ class BatchStream:
             if item.inputs is None:
                 return
             route = None if item.stock else _route(self._pipe.model, item.kwargs)
-            if route is not None:
+            with contextlib.ExitStack() as held:
                 try:
-                    with route.hold() as engine:
-                        job = self._prepare(item, engine, route)
-                        if job is not None:
-                            yield from self._segment(engine, route, job)
-                            continue
+                    engine = None if route is None else held.enter_context(route.hold())
                 except _generate.PagedFallback:  # this thread holds the engine already
-                    pass
+                    engine = None
+                job = None if engine is None else self._prepare(item, engine, route)
+                if job is not None:
+                    yield from self._segment(engine, route, job)
+                    continue
             yield self._pipe.forward(item.inputs, **self._forward_params)
 
     def _take(self) -> _Item:
@@ -210,7 +210,7 @@ class BatchStream:
         pipe = self._pipe
         model_inputs = pipe._ensure_tensor_on_device(dict(inputs), device=pipe.device)
         try:
-            type(pipe)._forward(_PipelineView(pipe), model_inputs, **self._forward_params)
+            _capturing_view(pipe)._forward(model_inputs, **self._forward_params)
         except _Captured as c:
             return c.kwargs
         raise RuntimeError("the pipeline's _forward did not call model.generate")
