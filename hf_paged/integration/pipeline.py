@@ -17,9 +17,10 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
-Either way the pipeline is a ``PagedTextGenerationPipeline`` (``pipeline_stream.py``): called on
-a list, a dataset or a generator it sends all inputs into one engine run, whatever
-``batch_size`` is, with stock's outputs in stock's order.
+Either way, and for a text-generation pipeline built while the process default is paged, the
+pipeline is a ``PagedTextGenerationPipeline`` (``pipeline_stream.py``): called on a list, a
+dataset or a generator it sends all inputs into one engine run, whatever ``batch_size`` is,
+with stock's outputs in stock's order.
 
 Only code that looks ``pipeline`` up after ``install_pipeline()`` (``transformers.pipeline(...)``,
 or ``from transformers import pipeline`` executed later) sees the wrapper.
@@ -91,7 +92,7 @@ def _make_wrapper(original):
         backend = kwargs.pop("backend", None)
         paged_config = kwargs.pop("paged_config", None)
         if backend is None and paged_config is None:
-            return original(*args, **kwargs)
+            return original(*args, **_default_paged(signature, args, kwargs))
         if backend not in (None, *dispatch.BACKENDS):
             raise ValueError(
                 f"backend={backend!r} is not allowed: must be one of {list(dispatch.BACKENDS)}"
@@ -101,6 +102,21 @@ def _make_wrapper(original):
 
     pipeline.__hf_paged_original__ = original
     return pipeline
+
+
+def _default_paged(signature, args, kwargs) -> dict:
+    """``kwargs``, plus the streaming pipeline class for a text-generation pipeline built while
+    the process default is paged (``HF_PAGED_BACKEND=paged``, ``hf-paged run``): its calls go
+    paged anyway, and a list is then one engine run instead of one per batch."""
+    if not dispatch.is_installed() or dispatch.get_default_backend() != "paged":
+        return kwargs
+    try:
+        a = signature.bind(*args, **kwargs).arguments
+    except TypeError:  # let the original raise its own error
+        return kwargs
+    if a.get("task") != TASK or a.get("pipeline_class") is not None:
+        return kwargs
+    return {**kwargs, "pipeline_class": _streaming_class(None)}
 
 
 def _build(original, bound, backend, paged_config):

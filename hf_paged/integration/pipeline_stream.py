@@ -278,10 +278,10 @@ class BatchStream:
                 job.tokens[row] = out.outputs[0].token_ids
                 job.num_open -= 1
                 while pending and pending[0].num_open == 0:
-                    yield _model_outputs(pending.popleft())
+                    yield model_outputs(pending.popleft())
 
 
-def _model_outputs(job: _Job) -> dict:
+def model_outputs(job: _Job) -> dict:
     """What stock's ``forward`` returns for the batch: sequences ``[in_b, n, W + T]`` on the CPU,
     the padded ``input_ids`` ``[in_b, W]`` and the prompt text(s)."""
     seqs = _generate.native_sequences(job.call, job.tokens).cpu()  # [in_b * n, W + T]

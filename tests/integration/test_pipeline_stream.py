@@ -95,6 +95,7 @@ def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_siz
     stats = paged_pipe.model.engine.stats
     assert stats["max_num_running_seqs"] > batch_size
     assert counter.calls == 0  # no per-batch generate call
+    assert counter.streamed == 64 // batch_size  # every batch came back from the engine run
     _no_leaks(paged_pipe.model.engine)
 
 
@@ -253,3 +254,17 @@ def test_generate_inside_an_open_stream_is_a_clear_error(paged_pipe):
 
 def iter_prompts(n: int):
     yield from MANY[:n]
+
+
+def test_a_paged_process_default_streams_a_plain_pipeline(stock_pipe, stock_many, counter):
+    model = stock_pipe.model
+    dispatch.set_default_backend("paged")  # as HF_PAGED_BACKEND=paged / hf-paged run
+    dispatch.configure(model, **ENGINE)
+    try:
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=stock_pipe.tokenizer)
+        assert pipe(MANY, batch_size=8, **GREEDY) == stock_many[8]
+        assert dispatch.get_engine(model).stats["max_num_running_seqs"] > 8
+        assert (counter.calls, counter.streamed) == (0, 8)
+    finally:
+        dispatch.set_default_backend(None)
+        dispatch.release(model)
