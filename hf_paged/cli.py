@@ -133,33 +133,43 @@ def _cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 class PagedCallCounter:
     """Counts the ``generate`` calls the paged engine served (dispatcher and
-    ``PagedModelForCausalLM``), by wrapping ``generate_paged`` where both look it up."""
+    ``PagedModelForCausalLM``), by wrapping ``generate_paged`` where both look it up, and, as
+    ``streamed``, the batches a streaming pipeline ran in its one engine run instead of a
+    ``generate`` call each."""
 
     def __init__(self):
         self.calls = 0
+        self.streamed = 0
         self._saved = None
 
     def install(self) -> None:
         from hf_paged.integration import dispatch
         from hf_paged.integration import generate as gen
+        from hf_paged.integration import pipeline_stream as ps
 
-        original = gen.generate_paged
+        original, outputs = gen.generate_paged, ps.model_outputs
 
         def counted(*args, **kwargs):
             out = original(*args, **kwargs)  # a PagedFallback raised here ran stock instead
             self.calls += 1
             return out
 
-        self._saved = (dispatch.generate_paged, gen.generate_paged)
+        def counted_batch(job):
+            self.streamed += 1
+            return outputs(job)
+
+        self._saved = (dispatch.generate_paged, gen.generate_paged, ps.model_outputs)
         dispatch.generate_paged = counted  # dispatch imported the name
         gen.generate_paged = counted  # auto.py looks it up on the module
+        ps.model_outputs = counted_batch
 
     def uninstall(self) -> None:
         from hf_paged.integration import dispatch
         from hf_paged.integration import generate as gen
+        from hf_paged.integration import pipeline_stream as ps
 
         if self._saved is not None:
-            dispatch.generate_paged, gen.generate_paged = self._saved
+            dispatch.generate_paged, gen.generate_paged, ps.model_outputs = self._saved
             self._saved = None
 
 
@@ -228,7 +238,8 @@ def _cmd_run(argv: list[str]) -> int:
         if report:
             counter.uninstall()
             print(
-                f"hf_paged: {counter.calls} generate call(s) served by the paged engine",
+                f"hf_paged: {counter.calls + counter.streamed} generate call(s) served by the paged "
+                "engine",
                 file=sys.stderr,
                 flush=True,
             )

@@ -402,6 +402,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_preemptions": self.scheduler.num_preemptions,
+            "max_num_running_seqs": self.scheduler.max_num_running_seqs,
             "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,

@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_num_running_seqs = 0  # most sequences in ``running`` after any schedule()
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (status WAITING) in ``waiting`` at its ``arrival`` place (new: the end).
@@ -105,6 +106,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             token_budget -= num_new
+        self.max_num_running_seqs = max(self.max_num_running_seqs, len(self.running))
         return out
 
     def update(

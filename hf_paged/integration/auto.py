@@ -17,6 +17,7 @@ to fall back on. There is no forward pass either: calling the object raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -170,6 +171,7 @@ class PagedModelForCausalLM:
         self._skeleton = skeleton  # meta-device HF model: config, generation_config, HF helpers
         self.name_or_path = name_or_path
         self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id inside ``hold_engine``
 
     # ---- what HF callers read ---------------------------------------------------------------
 
@@ -281,6 +283,7 @@ class PagedModelForCausalLM:
             raise _unsupported(*reason)
         if inputs is None and kwargs.get("input_ids") is None:
             inputs = self._bos_inputs(generation_config, kwargs)
+        self._check_not_held()
         with self._lock:
             try:
                 return _generate.generate_paged(
@@ -296,6 +299,35 @@ class PagedModelForCausalLM:
                 )
             except _generate.PagedFallback as fb:
                 raise _unsupported(fb.reason, fb.detail) from None
+
+    @property
+    def skeleton(self):
+        """The meta-device HF model stock ``generate``'s preparation runs on (no weights)."""
+        return self._skeleton
+
+    @contextlib.contextmanager
+    def hold_engine(self):
+        """The engine, held for one caller that keeps requests in it across many steps (a
+        streaming pipeline): other threads' ``generate`` calls wait until the block ends.
+
+        Raises:
+            RuntimeError: this thread already holds it.
+        """
+        self._check_not_held()
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield self.engine
+            finally:
+                self._holder = None
+
+    def _check_not_held(self) -> None:
+        if self._holder == threading.get_ident():
+            raise RuntimeError(
+                "PagedModelForCausalLM.generate was called while this thread is still iterating "
+                "a pipeline over this model (its engine runs that pipeline's requests): finish "
+                "or close that iteration first, or use a second model object"
+            )
 
     def _check_switches(self, backend, paged_config) -> None:
         if backend not in (None, "paged"):

@@ -35,7 +35,7 @@ import uuid
 import torch
 from tqdm.auto import tqdm
 
-from hf_paged.engine.request import EngineRequest, budget, draw_seeds
+from hf_paged.engine.request import budget
 from hf_paged.integration import dispatch
 from hf_paged.integration import generate as _generate
 from hf_paged.integration.sampling import native_plan
@@ -184,10 +184,12 @@ class PagedGenerateMap:
             raise NotImplementedError(
                 f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
             ) from None
-        seeds = draw_seeds(len(plans), any(p.temperature > 0 for p in plans))  # as generate()
+        # one request per row, seeded as generate() seeds them; the same requests a streaming
+        # pipeline builds for its batches
         requests = [
-            EngineRequest(prompt, plan.sampling_params(seed), stop_strings=plan.stop_strings)
-            for prompt, plan, seed in zip(prompts, plans, seeds, strict=True)
+            r
+            for c, plan in zip(calls, plans, strict=True)
+            for r in _generate.native_requests(c, plan)
         ]
         total = sum(budget(r.params) for r in requests)
         # disable=None: no bar when stderr is not a terminal, so logs get no cursor-up codes

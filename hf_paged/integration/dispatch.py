@@ -22,6 +22,7 @@ private attribute (a copy of the model starts without one) and is closed with th
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -229,6 +230,26 @@ def get_engine(model, paged_config: EngineConfig | dict | None = None):
         slot.built_with = want
         slot.fingerprint = _fingerprint(model)
     return slot.engine
+
+
+@contextlib.contextmanager
+def hold_engine(model, paged_config: EngineConfig | dict | None = None):
+    """``model``'s engine (as ``get_engine``) held for one caller: other threads' paged calls
+    on ``model`` wait, and a paged ``generate`` on ``model`` from this thread runs stock (as a
+    reentrant call does). For callers that keep requests in the engine across many steps.
+
+    Raises:
+        PagedFallback: this thread already holds the engine.
+    """
+    slot = _slot(model)
+    if slot.owner == threading.get_ident():
+        raise PagedFallback("reentrant", "the model's engine is already held by this thread")
+    with slot.lock:
+        slot.owner = threading.get_ident()
+        try:
+            yield get_engine(model, paged_config)
+        finally:
+            slot.owner = None
 
 
 def release(model) -> None:

@@ -49,8 +49,7 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     """
     call = prepare_call(model, **generate_kwargs)
     engine = get_engine()
-    plan = None if call.observed else native_plan(call, engine.runtime.vocab_size)
-    check_fits(call, engine, native=plan is not None)
+    plan = plan_call(call, engine)
     with torch.no_grad():
         if plan is not None:
             sequences, scores, logits = _run_native(engine, call, plan), None, None
@@ -62,16 +61,31 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, cache=None)
 
 
-def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
-    """Engine-sampled rows -> ``[B, L + T]`` (rows that stopped early padded like stock)."""
-    n = len(call.prompts)
-    seeds = draw_seeds(n, plan.temperature > 0)
-    requests = [
+def plan_call(call: PreparedCall, engine) -> NativePlan | None:
+    """The engine-native plan of a prepared call, or None when it must sample externally (a
+    call that observes steps: streamer, scores, user processors or criteria).
+
+    Raises:
+        PagedFallback: the engine would cut a row short (or can't hold an external batch).
+    """
+    plan = None if call.observed else native_plan(call, engine.runtime.vocab_size)
+    check_fits(call, engine, native=plan is not None)
+    return plan
+
+
+def native_requests(call: PreparedCall, plan: NativePlan) -> list[EngineRequest]:
+    """One engine request per row of ``call`` (rows repeated for ``num_return_sequences``);
+    seeds for sampled rows are drawn now from torch's global RNG, as stock's sampling would."""
+    seeds = draw_seeds(len(call.prompts), plan.temperature > 0)
+    return [
         EngineRequest(p, plan.sampling_params(s), stop_strings=plan.stop_strings)
         for p, s in zip(call.prompts, seeds, strict=True)
     ]
-    new = [out.outputs[0].token_ids for out in engine.run(requests)]
-    width = max(len(t) for t in new)
+
+
+def native_sequences(call: PreparedCall, new: list[list[int]]) -> torch.Tensor:
+    """Rows' new tokens -> stock's ``[B, L + T]`` sequences (rows that stopped early padded)."""
+    n, width = len(new), max(len(t) for t in new)
     pad = call.pad_token_id if call.pad_token_id is not None else 0  # unequal only with an EOS
     ids = call.input_ids
     out = torch.full((n, ids.shape[1] + width), pad, dtype=ids.dtype, device=ids.device)
@@ -79,6 +93,12 @@ def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
     for i, toks in enumerate(new):
         out[i, ids.shape[1] : ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=ids.dtype)
     return out
+
+
+def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
+    """Engine-sampled rows -> ``[B, L + T]``."""
+    outs = engine.run(native_requests(call, plan))
+    return native_sequences(call, [out.outputs[0].token_ids for out in outs])
 
 
 def _collect_logits(batch: RequestGroup, rids: list, budget: int) -> dict:

@@ -22,6 +22,11 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
+Either way, and for a text-generation pipeline built while the process default is paged, the
+pipeline is a ``PagedTextGenerationPipeline`` (``pipeline_stream.py``): called on a list, a
+dataset or a generator it sends all inputs into one engine run, whatever ``batch_size`` is,
+with stock's outputs in stock's order.
+
 Only code that looks ``pipeline`` up after ``install_pipeline()`` (``transformers.pipeline(...)``,
 or ``from transformers import pipeline`` executed later) sees the wrapper.
 """
@@ -92,7 +97,7 @@ def _make_wrapper(original):
         backend = kwargs.pop("backend", None)
         paged_config = kwargs.pop("paged_config", None)
         if backend is None and paged_config is None:
-            return original(*args, **kwargs)
+            return original(*args, **_default_paged(signature, args, kwargs))
         if backend not in (None, *dispatch.BACKENDS):
             raise ValueError(
                 f"backend={backend!r} is not allowed: must be one of {list(dispatch.BACKENDS)}"
@@ -102,6 +107,21 @@ def _make_wrapper(original):
 
     pipeline.__hf_paged_original__ = original
     return pipeline
+
+
+def _default_paged(signature, args, kwargs) -> dict:
+    """``kwargs``, plus the streaming pipeline class for a text-generation pipeline built while
+    the process default is paged (``HF_PAGED_BACKEND=paged``, ``hf-paged run``): its calls go
+    paged anyway, and a list is then one engine run instead of one per batch."""
+    if not dispatch.is_installed() or dispatch.get_default_backend() != "paged":
+        return kwargs
+    try:
+        a = signature.bind(*args, **kwargs).arguments
+    except TypeError:  # let the original raise its own error
+        return kwargs
+    if a.get("task") != TASK or a.get("pipeline_class") is not None:
+        return kwargs
+    return {**kwargs, "pipeline_class": _streaming_class(None)}
 
 
 def _build(original, bound, backend, paged_config):
@@ -159,7 +179,19 @@ def _build(original, bound, backend, paged_config):
         extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
     elif dispatch.is_installed():  # backend="hf": keep the pipeline stock whatever the default
         extra["backend"] = "hf"
+    if backend != "hf":  # many-input calls stream through one engine run
+        a["pipeline_class"] = _streaming_class(a.get("pipeline_class"))
     return original(*bound.args, **bound.kwargs)
+
+
+def _streaming_class(cls):
+    from transformers.pipelines.text_generation import TextGenerationPipeline
+
+    from hf_paged.integration.pipeline_stream import streaming_class
+
+    if cls is None:
+        cls = TextGenerationPipeline
+    return streaming_class(cls) if issubclass(cls, TextGenerationPipeline) else cls
 
 
 def _is_engine_config(value) -> bool:
