@@ -74,6 +74,9 @@ class EngineConfig:
             (one rank only; requests with penalties, logprobs or external sampling step
             synchronously). See ``engine/overlap.py``. None (default) = on for a single-rank
             CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
+        tp_heartbeat_timeout_s: with tensor_parallel_size > 1, seconds a worker may go without a
+            heartbeat (its process stopped or wedged) before it is killed and the pending call
+            raises ``EngineDeadError``; None = never. Default 30.
     """
 
     max_num_seqs: int = 256
@@ -91,6 +94,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     async_scheduling: bool | None = None
+    tp_heartbeat_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -112,6 +116,8 @@ class EngineConfig:
                 True,
                 f"False with tensor_parallel_size={self.tensor_parallel_size}",
             )
+        if self.tp_heartbeat_timeout_s is not None:
+            _check_float("tp_heartbeat_timeout_s", self.tp_heartbeat_timeout_s, 0.0, 1e9, True)
         if not isinstance(self.enable_prefix_caching, bool):
             raise _bad("enable_prefix_caching", self.enable_prefix_caching, "a bool")
         if self.dtype not in _DTYPES:

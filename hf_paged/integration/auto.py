@@ -268,6 +268,8 @@ class PagedModelForCausalLM:
                     **kwargs,
                 )
             except _generate.PagedFallback as fb:
+                if fb.reason == "max_model_len":  # the caller can fix it: not a missing feature
+                    raise ValueError(fb.detail) from None
                 raise _unsupported(fb.reason, fb.detail) from None
 
     def _check_switches(self, backend, paged_config) -> None:
