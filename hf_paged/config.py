@@ -192,7 +192,10 @@ class SamplingParams:
         _check_int("seed", self.seed, allow_none=True)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         ids = self.stop_token_ids
-        if isinstance(ids, int) or not all(
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
+        ids = tuple(ids)
+        if not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
         ):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
