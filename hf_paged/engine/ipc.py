@@ -30,20 +30,14 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
 from hf_paged.engine.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
-from hf_paged.engine.worker_health import (
-    Heartbeats,
-    StderrTail,
-    set_parent_death_signal,
-    start_beating,
-)
+from hf_paged.engine.worker_health import Heartbeats, StderrTail
+from hf_paged.engine.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
 
@@ -153,7 +147,7 @@ class WorkerGroup:
             args = (rank, world_size, target_factory, factory_args, shm.reader_handle(rank - 1))
             args += (send, poll_s, parent, (beats.name, heartbeat_interval))
             proc = ctx.Process(
-                target=_worker_main, args=args, name=f"hf_paged-tp{rank}", daemon=True
+                target=worker_main, args=args, name=f"hf_paged-tp{rank}", daemon=True
             )
             st.tails[rank] = StderrTail()
             with _sigint_blocked():  # no KeyboardInterrupt before the worker ignores SIGINT
@@ -372,55 +366,3 @@ def _sigint_blocked():
         yield  # a child started here inherits the mask: SIGINT stays pending, then ignored
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _worker_main(
-    rank, world_size, factory, factory_args, handle, result_conn, poll_s, parent, heartbeat
-) -> None:
-    parent_pid, parent_is_main_thread = parent
-    if parent_is_main_thread:
-        set_parent_death_signal()
-    if os.getppid() != parent_pid:  # rank 0 died while this process was starting
-        os._exit(1)
-    # Ctrl-C reaches the whole process group; only rank 0 handles it (it closes the group).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, poll_s), daemon=True).start()
-    start_beating(heartbeat[0], rank - 1, heartbeat[1])
-    try:
-        reader = ShmReader(handle, poll_s, parent_pid)
-        target = factory(rank, world_size, *factory_args)
-        result_conn.send(("ready", None))
-        while True:
-            try:
-                name, args, kwargs = reader.read()
-            except EOFError:
-                os._exit(1)  # rank 0 is gone: nobody to report to
-            if name == "exit":
-                if hasattr(target, "exit"):
-                    target.exit()
-                break
-            getattr(target, name)(*args, **kwargs)
-    except BaseException:
-        text = traceback.format_exc()
-        print(f"[hf_paged worker rank {rank}] {text}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            result_conn.send(("error", text))
-        # Exit at once: closing our sockets makes rank 0's pending collective fail promptly.
-        os._exit(1)
-    reader.close()
-    result_conn.close()
-    # Leave without the interpreter's module teardown, which takes about a second once torch is
-    # loaded and would make every close() that slow; atexit handlers (library cleanup) still run.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _exit_when_orphaned(parent: int, poll_s: float) -> None:
-    # Also covers a worker blocked inside a method (e.g. a collective that never returns).
-    while os.getppid() == parent:
-        time.sleep(poll_s)
-    os._exit(1)
