@@ -76,7 +76,8 @@ class EngineConfig:
             CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
         tp_heartbeat_timeout_s: with tensor_parallel_size > 1, seconds a worker may go without a
             heartbeat (its process stopped or wedged) before it is killed and the pending call
-            raises ``EngineDeadError``; None = never. Default 30.
+            raises ``EngineDeadError``; None = never. Default 45 (a stuck worker is reported
+            within a minute; a long Triton compile, which holds the GIL, is not mistaken for one).
     """
 
     max_num_seqs: int = 256
@@ -94,7 +95,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     async_scheduling: bool | None = None
-    tp_heartbeat_timeout_s: float | None = 30.0
+    tp_heartbeat_timeout_s: float | None = 45.0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -195,9 +196,7 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
         ids = tuple(ids)
-        if not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(ids))  # normalise list -> tuple
         if self.min_tokens > self.max_tokens:

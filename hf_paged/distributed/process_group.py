@@ -1,6 +1,7 @@
 """One engine's tensor-parallel process group, built without the process-global default group.
 
-Each engine gets its own ``TCPStore`` (rank 0 serves it on 127.0.0.1 at a free port) and its own
+Each engine gets its own ``TCPStore`` (rank 0 serves it on 127.0.0.1 at a free port, through a
+socket it binds itself: ``TCPStore`` alone listens on every interface) and its own
 backend object (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA), so two engines in one
 process never share a group, a port or a store. Collectives are called on the returned object's
 own methods (``pg.allreduce([t]).wait()``), which ``Communicator`` wraps; nothing is registered in

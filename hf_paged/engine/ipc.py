@@ -126,7 +126,7 @@ class WorkerGroup:
         *factory_args,
         shm_capacity: int = 1 << 20,
         poll_s: float = 0.5,
-        heartbeat_timeout: float | None = 30.0,
+        heartbeat_timeout: float | None = 45.0,
         heartbeat_interval: float = 0.5,
     ):
         if world_size < 2:
