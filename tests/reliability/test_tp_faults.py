@@ -175,7 +175,8 @@ def _orphan_run(model: str, result: dict) -> None:
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     t0 = time.monotonic()
-    while any(_alive(p) for p in workers) and time.monotonic() - t0 < 30:
+    # It notices once spawn has imported the main module (torch): seconds on idle cores.
+    while any(_alive(p) for p in workers) and time.monotonic() - t0 < 90:
         time.sleep(0.1)
     result["workers"] = workers
     result["alive"] = [p for p in workers if _alive(p)]

@@ -74,25 +74,28 @@ def stopped(model: str) -> None:
 def sigint(model: str) -> None:
     """Fault 3: Ctrl-C in the middle of generate, then generate again in the same process."""
     llm = LLM(model, **ENGINE)
-    ref = [o.token_ids for o in llm.generate(PROMPTS, LONG, use_tqdm=False)]
     t0 = time.monotonic()
-    llm.generate(PROMPTS[:1], SHORT, use_tqdm=False)
-    step_s = (time.monotonic() - t0) / SHORT.max_tokens
+    ref = [o.token_ids for o in llm.generate(PROMPTS, LONG, use_tqdm=False)]
+    call_s = time.monotonic() - t0
     interrupted = 0
-    for delay in (0.3, 0.7, 1.1):  # several landing points inside one call
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    for fraction in (0.2, 0.5, 0.8):  # several landing points inside one call
+        timer = threading.Timer(call_s * fraction, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
         try:
             llm.generate(PROMPTS, LONG, use_tqdm=False)
         except KeyboardInterrupt:
             interrupted += 1
-        time.sleep(max(0.0, 1.2 - delay))  # let a late timer fire outside generate
+        try:
+            timer.join()  # a signal that came late lands here, outside generate
+        except KeyboardInterrupt:
+            pass
     try:
         got = [o.token_ids for o in llm.generate(PROMPTS, LONG, use_tqdm=False)]
         outcome = "same" if got == ref else "different"
     except RuntimeError as exc:
         outcome = f"error: {exc}"
     llm.close()
-    report(interrupted=interrupted, outcome=outcome, step_s=step_s)
+    report(interrupted=interrupted, outcome=outcome, call_s=call_s)
 
 
 def orphan(model: str) -> None:
