@@ -305,7 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return args.handler(args.command_parser, args)
+    try:
+        return args.handler(args.command_parser, args)
+    except (TypeError, ValueError, OSError, RuntimeError) as e:  # bad input met at run time
+        args.command_parser.error(_one_line(e))  # usage + one line, exit 2, no traceback
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 if __name__ == "__main__":

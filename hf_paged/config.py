@@ -115,6 +115,10 @@ class EngineConfig:
         model_impl: which model path runs the model: "native" (our decoders), "generic" (HF's
             own modules with our attention) or "auto" (native when the architecture has a
             native implementation, else generic).
+        tp_heartbeat_timeout_s: with tensor_parallel_size > 1, seconds a worker may go without a
+            heartbeat (its process stopped or wedged) before it is killed and the pending call
+            raises ``EngineDeadError``; None = never. Default 45 (a stuck worker is reported
+            within a minute; a long Triton compile, which holds the GIL, is not mistaken for one).
     """
 
     max_num_seqs: int = 256
@@ -133,6 +137,7 @@ class EngineConfig:
     attention_backend: str | None = None
     async_scheduling: bool | None = None
     model_impl: str = "auto"
+    tp_heartbeat_timeout_s: float | None = 45.0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -154,6 +159,8 @@ class EngineConfig:
                 True,
                 f"False with tensor_parallel_size={self.tensor_parallel_size}",
             )
+        if self.tp_heartbeat_timeout_s is not None:
+            _check_float("tp_heartbeat_timeout_s", self.tp_heartbeat_timeout_s, 0.0, 1e9, True)
         if not isinstance(self.enable_prefix_caching, bool):
             raise _bad("enable_prefix_caching", self.enable_prefix_caching, "a bool")
         if self.dtype not in _DTYPES:
@@ -243,9 +250,10 @@ class SamplingParams:
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)
         ids = self.stop_token_ids
-        if isinstance(ids, int) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
+        ids = tuple(ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")
         object.__setattr__(self, "stop_token_ids", tuple(ids))  # normalise list -> tuple
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

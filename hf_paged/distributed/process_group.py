@@ -1,6 +1,7 @@
 """One engine's tensor-parallel process group, built without the process-global default group.
 
-Each engine gets its own ``TCPStore`` (rank 0 serves it on 127.0.0.1 at a free port) and its own
+Each engine gets its own ``TCPStore`` (rank 0 serves it on 127.0.0.1 at a free port, through a
+socket it binds itself: ``TCPStore`` alone listens on every interface) and its own
 backend object (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA), so two engines in one
 process never share a group, a port or a store. Collectives are called on the returned object's
 own methods (``pg.allreduce([t]).wait()``), which ``Communicator`` wraps; nothing is registered in
@@ -52,6 +53,18 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def create_process_group(
     rank: int,
     world_size: int,
@@ -72,7 +85,8 @@ def create_process_group(
         abort_check: rank 0 only; called while waiting for the other ranks to reach the store
             and expected to raise when they never will (e.g. ``WorkerGroup.check``).
         listen_socket: rank 0 only; a socket from ``reserve_port`` bound to ``init_address``'s
-            port, handed to the store so the port never has to be re-bound.
+            port, handed to the store so the port never has to be re-bound. Without it rank 0
+            binds ``init_address`` itself, so the store listens on that address only.
 
     Returns:
         A backend object (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) with ``allreduce``,
@@ -92,12 +106,15 @@ def create_process_group(
     port = int(port_text)
     is_server = rank == 0
     extra = {}
-    if is_server and listen_socket is not None:
+    if is_server and listen_socket is None:
+        # Bind it ourselves: TCPStore given a host still listens on every interface (::).
+        listen_socket = _listen(host, port)
+    if is_server:
         extra["master_listen_fd"] = listen_socket.fileno()
     store = dist.TCPStore(
         host, port, world_size, is_server, timeout=timeout, wait_for_workers=False, **extra
     )
-    if is_server and listen_socket is not None:
+    if is_server:
         listen_socket.detach()  # the store now owns (and later closes) the fd; it does not dup it
     store = dist.PrefixStore(_STORE_PREFIX, store)
     store.set(f"arrived/{rank}", "1")

@@ -11,8 +11,15 @@ Failure handling, in one place:
 - a watchdog thread on rank 0 waits on the workers' sentinels; on the first death it aborts the
   registered process groups (NCCL) and kills the surviving workers, which ends any collective
   rank 0 is blocked in (gloo raises when a peer's sockets close, not on ``abort``);
+- the watchdog also reads each worker's heartbeat (``worker_health.Heartbeats``) and kills a
+  worker that stopped beating for ``heartbeat_timeout`` seconds (SIGSTOPped, wedged): its closed
+  sockets end rank 0's collective, which then raises ``EngineDeadError`` naming the stall;
+- a worker that dies before it could report (e.g. while spawn imports the main module) leaves
+  its stderr tail, which rank 0 keeps (``worker_health.StderrTail``) and puts in the error;
 - rank 0 turns any exception in a step into ``EngineDeadError`` with ``raise_if_dead``;
-- workers ignore SIGINT and leave when rank 0 sends "exit", or within ``poll_s`` of rank 0 dying.
+- workers ignore SIGINT and leave when rank 0 sends "exit", or when rank 0 dies: at once through
+  ``PR_SET_PDEATHSIG`` (Linux), EOF on their socket, or within ``poll_s`` by polling the parent
+  pid that rank 0 passed in the spawn arguments (known before the worker runs any code).
 """
 
 from __future__ import annotations
@@ -23,14 +30,14 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
 from hf_paged.engine.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
+from hf_paged.engine.worker_health import Heartbeats, StderrTail
+from hf_paged.engine.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
 
@@ -61,7 +68,12 @@ class _GroupState:
     """Everything shutdown and the watchdog touch; holds no reference to the WorkerGroup."""
 
     shm: ShmBroadcaster
+    heartbeats: Heartbeats
+    heartbeat_interval: float
+    tails: dict = field(default_factory=dict)  # rank -> StderrTail
+    stalled: dict = field(default_factory=dict)  # rank -> seconds without a heartbeat
     procs: dict = field(default_factory=dict)  # rank -> Process
+    pids: list = field(default_factory=list)  # of the workers, in rank order
     conns: dict = field(default_factory=dict)  # rank -> rank 0's end of the result pipe
     ready: set = field(default_factory=set)
     reports: dict = field(default_factory=dict)  # rank -> traceback text
@@ -102,6 +114,9 @@ class WorkerGroup:
         target_factory: ``factory(rank, world_size, *factory_args) -> object``.
         shm_capacity: initial payload bytes of the shared-memory segment (it grows on demand).
         poll_s: how often an idle worker checks that rank 0 is alive.
+        heartbeat_timeout: seconds without a worker heartbeat before the worker counts as stuck
+            and is killed (the pending step then raises EngineDeadError); None = never.
+        heartbeat_interval: seconds between a worker's heartbeats.
     """
 
     def __init__(
@@ -111,25 +126,36 @@ class WorkerGroup:
         *factory_args,
         shm_capacity: int = 1 << 20,
         poll_s: float = 0.5,
+        heartbeat_timeout: float | None = 45.0,
+        heartbeat_interval: float = 0.5,
     ):
         if world_size < 2:
             raise ValueError(f"world_size={world_size}: a WorkerGroup needs at least 2 ranks")
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        self._st = st = _GroupState(shm=ShmBroadcaster(world_size - 1, shm_capacity, ctx))
+        shm = ShmBroadcaster(world_size - 1, shm_capacity, ctx)
+        beats = Heartbeats(world_size - 1, heartbeat_timeout)
+        self._st = st = _GroupState(
+            shm=shm, heartbeats=beats, heartbeat_interval=heartbeat_interval
+        )
         self._finalizer = weakref.finalize(self, _shutdown, st, 5.0)
         atexit.register(self._finalizer)  # runs before multiprocessing's own atexit hook
+        # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread.
+        parent = (os.getpid(), threading.current_thread() is threading.main_thread())
         for rank in range(1, world_size):
             recv, send = ctx.Pipe(duplex=False)
-            args = (rank, world_size, target_factory, factory_args)
-            args += (st.shm.reader_handle(rank - 1), send, poll_s)
+            args = (rank, world_size, target_factory, factory_args, shm.reader_handle(rank - 1))
+            args += (send, poll_s, parent, (beats.name, heartbeat_interval))
             proc = ctx.Process(
-                target=_worker_main, args=args, name=f"hf_paged-tp{rank}", daemon=True
+                target=worker_main, args=args, name=f"hf_paged-tp{rank}", daemon=True
             )
+            st.tails[rank] = StderrTail()
             with _sigint_blocked():  # no KeyboardInterrupt before the worker ignores SIGINT
-                proc.start()
+                st.tails[rank].start_child(proc.start)
             send.close()  # so that rank 0 sees EOF when the worker is gone
+            shm.release_reader_end(rank - 1)  # likewise for the worker's shm socket
             st.procs[rank], st.conns[rank] = proc, recv
+            st.pids.append(proc.pid)
         st.watchdog = threading.Thread(
             target=_watchdog, args=(st,), name="hf_paged-watchdog", daemon=True
         )
@@ -137,7 +163,7 @@ class WorkerGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [proc.pid for proc in self._st.procs.values()]
+        return list(self._st.pids)
 
     @property
     def shm_name(self) -> str:
@@ -178,7 +204,11 @@ class WorkerGroup:
         if len(self._st.ready) < len(self._st.procs):
             self.wait_ready()
         self.check()
-        self._st.shm.broadcast((name, args, kwargs), check=self.check)
+        try:
+            self._st.shm.broadcast((name, args, kwargs), check=self.check)
+        except ConnectionError as exc:  # a worker's socket closed: it is gone
+            self.raise_if_dead(exc)
+            raise
 
     def check(self) -> None:
         """Raise EngineDeadError if any worker died or reported an exception (non-blocking)."""
@@ -231,7 +261,7 @@ class WorkerGroup:
         self._drain()
         if st.closing.is_set():
             return None
-        exited = [r for r, p in st.procs.items() if p.exitcode is not None]
+        exited = [r for r, p in st.procs.items() if p.exitcode is not None]  # (not closed yet)
         first = [r for r in st.deaths if r not in st.killed]
         failed = first + [
             r for r in [*st.reports, *exited] if r not in first and r not in st.killed
@@ -243,25 +273,41 @@ class WorkerGroup:
         if rank in st.deaths and proc.exitcode is None:
             proc.join(1.0)  # its sentinel fired: reap it so the exit code is known
         code = proc.exitcode
-        if code is None:
+        if rank in st.stalled:
+            detail = (
+                f"stopped responding: no heartbeat for {st.stalled[rank]:.1f} s (more than "
+                f"tp_heartbeat_timeout_s={st.heartbeats.timeout}), so it was killed"
+            )
+        elif code is None:
             detail = "raised an exception"
         else:
             detail = f"died (exit code {code})"
         others = sorted(set(failed[1:]))
         if others:
             detail += f"; ranks {others} failed after it"
-        return EngineDeadError(rank, st.reports.get(rank), detail)
+        text = st.reports.get(rank)
+        if text is None and rank not in st.stalled:  # no report: its last words on stderr
+            tail = st.tails[rank].text(wait=0.5) if rank in st.tails else ""
+            text = f"(no report; the worker's stderr ended with)\n{tail}" if tail else None
+        return EngineDeadError(rank, text, detail)
 
 
 def _watchdog(st: _GroupState) -> None:
     alive = {proc.sentinel: rank for rank, proc in st.procs.items()}
     stop = st.stop_pipe[0]
+    every = st.heartbeat_interval if st.heartbeats.timeout is not None else None
     while alive:
-        ready = mp_connection.wait([*alive, stop])
+        ready = mp_connection.wait([*alive, stop], timeout=every)
         if stop in ready or st.closing.is_set():
             return
         for sentinel in ready:
             st.deaths.append(alive.pop(sentinel))
+        if not ready:  # a time-out: look for workers that stopped beating
+            stuck = {i + 1: s for i, s in st.heartbeats.stale() if i + 1 in alive.values()}
+            st.stalled.update(stuck)
+            for rank in stuck:
+                st.procs[rank].kill()  # a stopped process still takes SIGKILL
+            continue  # its sentinel fires next: handled as a death, as the first failure
         # The group is broken: end every collective rank 0 may be blocked in. NCCL: abort.
         # gloo: abort does not end a pending wait, a peer's closed sockets do -- kill the rest.
         for pg in st.abort_pgs:
@@ -295,9 +341,14 @@ def _shutdown(st: _GroupState, timeout: float) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
+        with contextlib.suppress(ValueError):  # still running after kill: keep its sentinel
+            proc.close()  # frees the sentinel descriptor now, not when collected
     st.shm.close()
+    st.heartbeats.close()
     for conn in st.conns.values():
         conn.close()
+    for tail in st.tails.values():
+        tail.text(wait=1.0)  # its thread ends at the worker's EOF and closes the pipe
     if st.watchdog is not None and st.watchdog is not threading.current_thread():
         st.watchdog.join(1.0)  # it has seen the stop byte; join before its fd is closed
     for fd in st.stop_pipe:
@@ -315,48 +366,3 @@ def _sigint_blocked():
         yield  # a child started here inherits the mask: SIGINT stays pending, then ignored
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _worker_main(rank, world_size, factory, factory_args, handle, result_conn, poll_s) -> None:
-    # Ctrl-C reaches the whole process group; only rank 0 handles it (it closes the group).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    parent = os.getppid()
-    threading.Thread(target=_exit_when_orphaned, args=(parent, poll_s), daemon=True).start()
-    try:
-        reader = ShmReader(handle, poll_s)
-        target = factory(rank, world_size, *factory_args)
-        result_conn.send(("ready", None))
-        while True:
-            try:
-                name, args, kwargs = reader.read()
-            except EOFError:
-                os._exit(1)  # rank 0 is gone: nobody to report to
-            if name == "exit":
-                if hasattr(target, "exit"):
-                    target.exit()
-                break
-            getattr(target, name)(*args, **kwargs)
-    except BaseException:
-        text = traceback.format_exc()
-        print(f"[hf_paged worker rank {rank}] {text}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            result_conn.send(("error", text))
-        # Exit at once: closing our sockets makes rank 0's pending collective fail promptly.
-        os._exit(1)
-    reader.close()
-    result_conn.close()
-    # Leave without the interpreter's module teardown, which takes about a second once torch is
-    # loaded and would make every close() that slow; atexit handlers (library cleanup) still run.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _exit_when_orphaned(parent: int, poll_s: float) -> None:
-    # Also covers a worker blocked inside a method (e.g. a collective that never returns).
-    while os.getppid() == parent:
-        time.sleep(poll_s)
-    os._exit(1)

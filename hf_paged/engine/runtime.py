@@ -107,6 +107,21 @@ def _check_servable(model, hf_config) -> None:
             )
 
 
+def _not_a_directory(path: str) -> str:
+    message = (
+        f"model={path!r} is not allowed: must be a local checkpoint directory or a loaded "
+        "transformers model. hf_paged downloads nothing"
+    )
+    parts = path.split("/")
+    if len(parts) == 2 and all(parts) and not os.path.exists(path):  # looks like "org/name"
+        message += (
+            f"; {path!r} looks like a Hugging Face Hub id: download it first, e.g. "
+            f"`huggingface-cli download {path} --local-dir <dir>` (or "
+            "`huggingface_hub.snapshot_download`), and pass that local directory"
+        )
+    return message
+
+
 def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     """Read the model's config, pick device/dtype/lengths. ``model`` is a checkpoint directory,
     an in-memory HF causal-LM, or a ``PeftModel`` around one.
@@ -131,10 +146,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     elif isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):
-            raise ValueError(
-                f"model={path!r} is not allowed: must be a local checkpoint directory "
-                "(nothing is downloaded) or a loaded transformers model"
-            )
+            raise ValueError(_not_a_directory(path))
         hf_config = AutoConfig.from_pretrained(path)
         try:
             gen_config = GenerationConfig.from_pretrained(path)

@@ -298,6 +298,8 @@ class PagedModelForCausalLM:
                     **kwargs,
                 )
             except _generate.PagedFallback as fb:
+                if fb.reason == "max_model_len":  # the caller can fix it: not a missing feature
+                    raise ValueError(fb.detail) from None
                 raise _unsupported(fb.reason, fb.detail) from None
 
     @property

@@ -208,12 +208,19 @@ def check_fits(call: PreparedCall, engine, native: bool) -> None:
     """PagedFallback when the engine would cut a row short or (external path) could not hold
     the whole batch's KV at once."""
     max_new = call.max_new_tokens
-    longest = max(len(p) for p in call.prompts) + max_new
-    if longest > engine.runtime.max_model_len:
+    prompt = max(len(p) for p in call.prompts)
+    limit = engine.runtime.max_model_len
+    if prompt + max_new > limit:
+        fix = (
+            f"pass max_new_tokens <= {limit - prompt}"
+            if prompt < limit
+            else f"shorten the prompt below {limit} tokens"
+        )
         raise PagedFallback(
             "max_model_len",
-            f"a row may reach {longest} tokens, over the engine's max_model_len="
-            f"{engine.runtime.max_model_len}",
+            f"a row may reach {prompt + max_new} tokens (longest prompt {prompt} + "
+            f"max_new_tokens={max_new}), over the engine's max_model_len={limit}: {fix}, "
+            "or build the engine with a larger max_model_len",
         )
     if native:
         return

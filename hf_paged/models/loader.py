@@ -130,7 +130,16 @@ def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(file), framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # SafetensorError (truncated, corrupt) does not name the file
+            raise ValueError(
+                f"cannot read the checkpoint file {str(file)!r}: {e}. The file is truncated or "
+                "corrupt (an interrupted download or copy?): fetch or save it again"
+            ) from e
+        with f:
             for name in f.keys():
                 yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
 
