@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench-ipc
+.PHONY: install demo test test-ray lint bench-ipc
 
 install: $(VENV)/.installed
 
@@ -17,7 +17,12 @@ demo: install
 	$(PY) examples/demo.py
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not ray"
+
+# Ray Data tests (hf_paged.ray): a local Ray with logical resources; several minutes on 2 cores
+test-ray: install
+	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pytest -m ray tests/scale -rs
 
 lint: install
 	$(VENV)/bin/ruff check hf_paged tests examples evaluation
