@@ -69,7 +69,9 @@ def shard_generate(
         rows_per_part: rows per part file (the unit of resume).
         seed: base seed mixed with every row id.
         tokenizer: for a checkpoint without one beside it.
-        **engine_kwargs: EngineConfig keys (``tensor_parallel_size``, ``device``, ...).
+        **engine_kwargs: EngineConfig keys (``tensor_parallel_size``, ``device``, ...). Without
+            ``device``, a process with ``LOCAL_RANK=r`` puts its engine on GPUs ``r*tp`` ..
+            ``r*tp+tp-1`` (see ``local_device``).
 
     Returns:
         A ``ShardReport`` (parts written and skipped, rows generated).
@@ -215,7 +217,36 @@ def _open(model, tokenizer, engine_kwargs):
                 "checkpoint path to set them"
             )
         return model, False
+    if "device" not in engine_kwargs:
+        device = local_device(
+            os.environ.get("LOCAL_RANK"),
+            engine_kwargs.get("tensor_parallel_size", 1),
+            _cuda_device_count(),
+        )
+        engine_kwargs = {**engine_kwargs, **({"device": device} if device else {})}
     return LLM(model, tokenizer=tokenizer, **engine_kwargs), True
+
+
+def local_device(local_rank: str | None, tensor_parallel_size: int, num_devices: int):
+    """The first GPU of this process's engine under a launcher that sets ``LOCAL_RANK``.
+
+    Process ``LOCAL_RANK=r`` with ``tensor_parallel_size=t`` takes ``cuda:{r*t}`` .. ``cuda:{r*t
+    + t - 1}``, so the engines of one node never share a GPU. None (the engine's own default)
+    without ``LOCAL_RANK``, without CUDA, or when this process sees too few GPUs to offset (the
+    launcher already narrowed ``CUDA_VISIBLE_DEVICES``).
+    """
+    if local_rank is None or not local_rank.isdigit() or num_devices == 0:
+        return None
+    first = int(local_rank) * tensor_parallel_size
+    if first + tensor_parallel_size > num_devices:
+        return None
+    return f"cuda:{first}"
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _write_part(part, output_column: str, texts, token_ids, path: str) -> None:

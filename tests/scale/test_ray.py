@@ -40,7 +40,9 @@ MARK = f"scale-test-{os.getpid()}"  # in every Ray worker's environment, to find
 def ray_session():
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_PAGED_SCALE_TEST_MARK": MARK}  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
+    # 8 logical CPUs: 2 engine actors, the checkpoint filter actor, and read / repartition /
+    # write tasks; with 4, a backpressured read can hold the last free CPU and stall the run
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.use_datasource_v2 = False  # the v2 parquet reader starts many footer actors: 2 cores
