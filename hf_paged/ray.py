@@ -118,21 +118,9 @@ def map_generate(
         ValueError / TypeError: a bad argument (named), a missing column, or ``output_path``
             with an input that is not read from files.
     """
-    for name, value in (("num_replicas", num_replicas), ("batch_size", batch_size),
-                        ("batches_in_flight", batches_in_flight),
-                        ("tensor_parallel_size", tensor_parallel_size)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} is not allowed: {name} must be an int >= 1")
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(
-            f"model={type(model).__name__} is not allowed: map_generate needs a checkpoint "
-            "directory that every actor can open"
-        )
+    _check_args(model, ds, output_path, num_replicas=num_replicas, batch_size=batch_size,
+                batches_in_flight=batches_in_flight, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     hooks = _check_hooks(test_hooks)
-    if output_path is not None and not isinstance(
-        ds, (ray.data.Dataset, str, os.PathLike, list, tuple)
-    ):
-        raise ValueError(_NOT_FROM_FILES)
     ds = _as_ray_dataset(ds, id_column)
     check_columns(ds.schema().names, column, id_column, output_column)
     kwargs = dict(engine_kwargs or {})
@@ -145,6 +133,8 @@ def map_generate(
     job = _Job(os.fspath(model), tokenizer, kwargs, column, id_column, output_column, base,
                seed, hooks)  # fmt: skip
     if num_gpus is None:
+        if not ray.is_initialized():
+            ray.init()  # what Ray Data would do on first use
         num_gpus = tensor_parallel_size if ray.cluster_resources().get("GPU", 0) > 0 else 0
     # Blocks of batch_size rows (a streaming split, no shuffle): each map task is one batch, so
     # batches spread over the actors and finished ones reach the writer while others run.
@@ -162,6 +152,21 @@ def map_generate(
     if output_path is None:
         return out
     return _write_resumable(out, output_path, checkpoint_path, id_column)
+
+
+def _check_args(model, ds, output_path, **counts: int) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is not allowed: {name} must be an int >= 1")
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"model={type(model).__name__} is not allowed: map_generate needs a checkpoint "
+            "directory that every actor can open"
+        )
+    if output_path is not None and not isinstance(
+        ds, (ray.data.Dataset, str, os.PathLike, list, tuple)
+    ):
+        raise ValueError(_NOT_FROM_FILES)
 
 
 def _pool_args(num_replicas: int, batches_in_flight: int) -> dict:

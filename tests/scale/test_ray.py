@@ -42,7 +42,14 @@ def ray_session():
            "HF_PAGED_SCALE_TEST_MARK": MARK}  # fmt: skip
     # 8 logical CPUs: 2 engine actors, the checkpoint filter actor, and read / repartition /
     # write tasks; with 4, a backpressured read can hold the last free CPU and stall the run
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
+    for attempt in range(2):  # Ray waits only 30 s for its raylet: a loaded box can miss that
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
+            break
+        except Exception as exc:
+            ray.shutdown()
+            if attempt or "timed out during startup" not in str(exc):
+                raise
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.use_datasource_v2 = False  # the v2 parquet reader starts many footer actors: 2 cores
