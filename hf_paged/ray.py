@@ -122,6 +122,8 @@ def map_generate(
                 batches_in_flight=batches_in_flight, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     hooks = _check_hooks(test_hooks)
     ds = _as_ray_dataset(ds, id_column)
+    if output_path is not None and not _reads_files(ds):
+        raise ValueError(_NOT_FROM_FILES)
     check_columns(ds.schema().names, column, id_column, output_column)
     kwargs = dict(engine_kwargs or {})
     if kwargs.get("tensor_parallel_size", tensor_parallel_size) != tensor_parallel_size:
@@ -240,6 +242,27 @@ def _write_resumable(out, output_path: str, checkpoint_path: str | None, id_colu
     finally:
         context.checkpoint_config = previous
     return output_path
+
+
+def _reads_files(ds) -> bool:
+    """Whether every source of ``ds``'s plan is a file read (what Ray's checkpointing needs).
+
+    Ray 2.60 silently writes without checkpoints otherwise, so this is checked up front. It
+    reads the private logical plan (Ray has no public test for it) and answers True, leaving
+    the decision to Ray, where that plan is not found.
+    """
+    plan = getattr(ds, "_logical_plan", None)
+    dag = getattr(plan, "dag", None)
+    if dag is None:
+        return True
+
+    def reads(op) -> bool:
+        if any(c.__name__ in ("Read", "ReadFiles") for c in type(op).__mro__):
+            return True
+        deps = getattr(op, "input_dependencies", None) or []
+        return bool(deps) and all(reads(d) for d in deps)
+
+    return reads(dag)
 
 
 def _check_not_orphaned(output_path: str, checkpoint_path: str) -> None:
