@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench-ipc
+.PHONY: install demo test test-ray lint bench-ipc
 
 install: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ demo: install
 
 # -rs: a summary line with the reason of every skipped test (GPU tests skip on CPU)
 test: install
-	$(PY) -m pytest -rs
+	$(PY) -m pytest -rs -m "not ray"
+
+# Ray Data tests (hf_paged.ray): a local Ray with logical resources; several minutes on 2 cores
+test-ray: install
+	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pytest -m ray tests/scale -rs
 
 lint: install
 	$(VENV)/bin/ruff check hf_paged tests examples evaluation

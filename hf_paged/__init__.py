@@ -12,6 +12,7 @@ from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCa
 from hf_paged.integration.datasets_map import paged_generate_map
 from hf_paged.integration.dispatch import PagedFallbackWarning, configure, set_default_backend
 from hf_paged.llm import LLM
+from hf_paged.shard import shard_generate
 
 
 def install() -> None:
@@ -44,5 +45,6 @@ __all__ = [
     "configure",
     "install",
     "set_default_backend",
+    "shard_generate",
     "uninstall",
 ]
