@@ -195,3 +195,16 @@ def _warn_unknown() -> None:
             stacklevel=3,
         )
 
+
+
+# A launcher's own variables (torchrun, SLURM via the caller, ``accelerate launch``). Only
+# ``hf_paged.shard_generate`` reads them, to pick its slice and GPUs; the engine's
+# tensor-parallel group never does (it has its own store on 127.0.0.1).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def launcher(name: str) -> str | None:
+    """The launcher variable ``name`` (one of ``LAUNCHER_VARIABLES``) as set now, or None."""
+    if name not in LAUNCHER_VARIABLES:
+        raise KeyError(f"{name!r} is not a launcher variable: one of {LAUNCHER_VARIABLES}")
+    return os.environ.get(name)

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from hf_paged import envs
 from hf_paged.config import SamplingParams
 from hf_paged.rows import check_columns, generate_rows, resolve_sampling
 
@@ -151,7 +152,7 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
 
 
 def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
+    text = envs.launcher(name)
     if text is None or text == "":
         return default
     try:
@@ -219,7 +220,7 @@ def _open(model, tokenizer, engine_kwargs):
         return model, False
     if "device" not in engine_kwargs:
         device = local_device(
-            os.environ.get("LOCAL_RANK"),
+            envs.launcher("LOCAL_RANK"),
             engine_kwargs.get("tensor_parallel_size", 1),
             _cuda_device_count(),
         )
