@@ -40,16 +40,18 @@ def run(path, **kw):
     with LLM(path, **cfg) as llm:
         runner = llm.engine.executor.runner
         out = [o.token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-        return out, runner.graph_runner is not None, runner.cuda_graph_reason, runner
+        # read before close() releases the cache and the graphs
+        kv_dims = [[t.shape[-1] for t in runner.kv_cache[i]] for i in range(len(runner.kv_cache))]
+        return out, runner.graph_runner is not None, runner.cuda_graph_reason, runner, kv_dims
 
 
 @pytest.mark.parametrize("layers", ["triton", "mixed"])
 def test_toy_model_greedy_matches_dense_oracle(layers, tmp_path):
     table = toy_model.TRITON_LAYERS if layers == "triton" else toy_model.LAYERS
     ref = toy_model.save_toy_model(tmp_path, layers=table)
-    got, graphs, reason, runner = run(str(tmp_path))
+    got, graphs, reason, runner, kv_dims = run(str(tmp_path))
     assert runner.attn_backend.name == "triton"
-    assert [t.shape[-1] for t in runner.kv_cache[1]] == [table[1][2], table[1][3]]
+    assert kv_dims[1] == [table[1][2], table[1][3]]
     if layers == "triton":
         assert graphs and reason is None
     else:
@@ -59,8 +61,8 @@ def test_toy_model_greedy_matches_dense_oracle(layers, tmp_path):
 
 def test_toy_graph_replay_equals_eager(tmp_path):
     toy_model.save_toy_model(tmp_path, layers=toy_model.TRITON_LAYERS)
-    eager, graphs_eager, reason, _ = run(str(tmp_path), enforce_eager=True)
-    graph, graphs, _, _ = run(str(tmp_path))
+    eager, graphs_eager, reason, _, _ = run(str(tmp_path), enforce_eager=True)
+    graph, graphs, _, _, _ = run(str(tmp_path))
     assert not graphs_eager and reason == "enforce_eager=True" and graphs
     assert graph == eager
 
