@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence as Seq
 
 import torch
@@ -21,6 +23,10 @@ class LLM:
         tokenizer: optional; defaults to the one saved beside the checkpoint.
         **engine_kwargs: EngineConfig keys (``max_num_seqs``, ``num_kv_blocks``, ...).
 
+    An in-memory model's weights are read when the engine is built. A change to them later (an
+    in-place update, a PEFT adapter switched) is seen by the next ``generate``, which rebuilds
+    the engine first. Calls from several threads run one after another.
+
     Example:
         >>> with LLM("path/to/ckpt", max_num_seqs=64) as llm:
         ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
@@ -29,6 +35,27 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, **engine_kwargs):
         self.engine = LLMEngine(model, engine_kwargs, tokenizer=tokenizer)
+        self._lock = threading.Lock()  # one generate at a time: the engine is not thread-safe
+        self._rebuild_args = (engine_kwargs, tokenizer)
+        self._source = None  # in-memory model: (weakref, fingerprint at build)
+        if isinstance(model, torch.nn.Module):
+            self._source = (weakref.ref(model), _fingerprint(model))
+
+    def _refresh(self) -> None:
+        """Rebuild the engine when the in-memory model's weights changed since it was built: the
+        engine's fused copies (q/k/v, gate/up, merged adapters) would be stale."""
+        if self._source is None:
+            return
+        ref, built = self._source
+        model = ref()
+        if model is None:
+            return  # the caller dropped the model; the engine keeps what it was built with
+        now = _fingerprint(model)
+        if now != built:
+            engine_kwargs, tokenizer = self._rebuild_args
+            self.engine.close()
+            self.engine = LLMEngine(model, engine_kwargs, tokenizer=tokenizer)
+            self._source = (ref, now)
 
     @property
     def tokenizer(self):
@@ -62,6 +89,11 @@ class LLM:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
                 then, and the engine stays usable.
         """
+        with self._lock:
+            self._refresh()
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -102,6 +134,12 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _fingerprint(model) -> tuple:
+    from hf_paged.integration.dispatch import _fingerprint as weights_fingerprint
+
+    return weights_fingerprint(model)
 
 
 def _as_prompt_list(prompts) -> list:
