@@ -213,12 +213,11 @@ def _cmd_run(argv: list[str]) -> int:
     os.environ["HF_PAGED_BACKEND"] = "paged"  # child processes inherit it
     import hf_paged  # noqa: F401  (installs the dispatcher once the package does so on import)
     from hf_paged import envs
-
-    envs.reset("HF_PAGED_BACKEND")  # this process reads it again too
     from hf_paged.integration import dispatch
     from hf_paged.integration.lm_eval import install_lm_eval
     from hf_paged.integration.pipeline import install_pipeline
 
+    envs.reset("HF_PAGED_BACKEND")  # this process reads it again too (it is read once)
     dispatch.install()
     install_pipeline()
     install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is installed)

@@ -2,7 +2,9 @@
 
 Read once: a switch is parsed from the environment at its first access and cached for the
 process (``envs.HF_PAGED_PDL``, or :func:`get`). After the first access it is a plain module
-attribute, so reading it in a kernel's dispatch costs what a global does.
+attribute, so reading it in a kernel's dispatch costs what a global does. Read switches as
+attributes of the module at the point of use, never ``from hf_paged.envs import HF_PAGED_PDL``
+(that copies the value once and misses :func:`apply` and :func:`reset`).
 
 * :func:`snapshot` gives every switch's value (a JSON-able dict). ``RunnerSpec`` carries it to
   the tensor-parallel workers, which :func:`apply` it, so every rank runs with rank 0's values
@@ -170,7 +172,8 @@ def apply(values: dict[str, bool | str]) -> None:
             raise ValueError(f"apply: {name!r} is not an hf_paged switch: {list(SWITCHES)}")
         kind = type(switch.default)
         if type(value) is not kind or (switch.choices and value not in switch.choices):
-            raise ValueError(f"apply: {name}={value!r} is not allowed: must be a {kind.__name__}")
+            allowed = f"one of {list(switch.choices)}" if switch.choices else f"a {kind.__name__}"
+            raise ValueError(f"apply: {name}={value!r} is not allowed: must be {allowed}")
         globals()[name] = value
 
 
@@ -194,7 +197,6 @@ def _warn_unknown() -> None:
             f"switches are {list(SWITCHES)}",
             stacklevel=3,
         )
-
 
 
 # A launcher's own variables (torchrun, SLURM via the caller, ``accelerate launch``). Only

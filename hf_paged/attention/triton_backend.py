@@ -2,13 +2,13 @@
 
 Prefill reads K/V from the paged cache with our Triton kernel, also for pure prefill: on W1-like
 prompts it is faster than torch's aten FlashAttention-2 varlen kernel on an H200
-(evaluation/bench_kernels.py; figures in evaluation/results/RUNS.md). The aten kernel, which reads the new K/V directly, is used
-for pure prefill (no cached tokens) on CUDA in fp16/bf16 when asked (``use_flash_prefill``) or
-when the block tables cannot cover the contexts (e.g. a warm-up pass run before the KV cache
-exists). The decode path (store + paged decode) does no host sync and sizes everything from
-tensor shapes, so it can be captured in a CUDA graph. ``problem`` names the layers the kernels
-cannot compute (score softcap, V head dim != K head dim, odd head dims), so the caller gives those
-layers the torch reference instead.
+(evaluation/bench_kernels.py; figures in evaluation/results/RUNS.md). The aten kernel, which
+reads the new K/V directly, is used for pure prefill (no cached tokens) on CUDA in fp16/bf16
+when asked (``use_flash_prefill``) or when the block tables cannot cover the contexts (e.g. a
+warm-up pass run before the KV cache exists). The decode path (store + paged decode) does no
+host sync and sizes everything from tensor shapes, so it can be captured in a CUDA graph.
+``problem`` names the layers the kernels cannot compute (score softcap, V head dim != K head
+dim, odd head dims), so the caller gives those layers the torch reference instead.
 """
 
 from __future__ import annotations

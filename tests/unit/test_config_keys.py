@@ -53,4 +53,6 @@ def test_valid_keys_and_positional_still_work():
     assert EngineConfig(max_num_seqs=3).max_num_seqs == 3
     assert EngineConfig(3).max_num_seqs == 3
     assert SamplingParams(temperature=0.0).greedy
-    assert EngineConfig.from_dict({"seed": 5}, max_num_seqs=2) == EngineConfig(seed=5, max_num_seqs=2)
+    assert EngineConfig.from_dict({"seed": 5}, max_num_seqs=2) == EngineConfig(
+        seed=5, max_num_seqs=2
+    )

@@ -119,7 +119,9 @@ def test_apply_installs_values_whatever_the_environment(monkeypatch):
 
 def test_unknown_variable_warns_once_with_nearest(monkeypatch):
     monkeypatch.setenv("HF_PAGED_PDL_PREFECH", "0")
-    with pytest.warns(UserWarning, match="HF_PAGED_PDL_PREFECH.*did you mean HF_PAGED_PDL_PREFETCH"):
+    with pytest.warns(
+        UserWarning, match="HF_PAGED_PDL_PREFECH.*did you mean HF_PAGED_PDL_PREFETCH"
+    ):
         envs.snapshot()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
