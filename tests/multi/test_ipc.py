@@ -63,15 +63,21 @@ def fleet():
         text=True,
     )
     groups, addresses = {}, {}
-    for name in ("a", "b", "kill", "boom", "fail"):
-        addresses[name] = f"127.0.0.1:{find_free_port()}"
-        groups[name] = WorkerGroup(
-            2, DummyTarget, addresses[name], name == "fail", shm_capacity=64 * 1024
-        )
     rank0 = {}
-    for name in ("a", "b", "kill", "boom"):
-        rank0[name] = DummyTarget(0, 2, addresses[name], abort_check=groups[name].check)
-        groups[name].wait_ready(timeout=60)
+    try:
+        for name in ("a", "b", "kill", "boom", "fail"):
+            addresses[name] = f"127.0.0.1:{find_free_port()}"
+            groups[name] = WorkerGroup(
+                2, DummyTarget, addresses[name], name == "fail", shm_capacity=64 * 1024
+            )
+        for name in ("a", "b", "kill", "boom"):
+            rank0[name] = DummyTarget(0, 2, addresses[name], abort_check=groups[name].check)
+            groups[name].wait_ready(timeout=60)
+    except BaseException:  # a failed set-up must not leave the Ctrl-C parent or workers behind
+        sigint_parent.kill()
+        for group in groups.values():
+            group.close()
+        raise
     yield {"groups": groups, "rank0": rank0, "addresses": addresses, "sigint": sigint_parent}
     pids = [pid for group in groups.values() for pid in group.pids]
     names = [group.shm_name for group in groups.values()]
