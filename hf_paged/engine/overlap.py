@@ -36,7 +36,6 @@ def overlap_eligible(params: SamplingParams, external: bool) -> bool:
         not external
         and params.logprobs is None
         and params.prompt_logprobs is None
-        and not params.stop
         and params.repetition_penalty == 1.0
         and (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
     )

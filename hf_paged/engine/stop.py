@@ -67,9 +67,12 @@ class StopStrings:
 
         return cls(StopStringCriteria(tokenizer, list(stop)))
 
-    def matches(self, token_ids: list[int]) -> bool:
-        """A stop string ends at ``token_ids[-1]``."""
-        tail = torch.tensor([token_ids[-self.window :]], dtype=torch.long)  # [1, <= window]
+    def matches(self, token_ids: list[int], end: int | None = None) -> bool:
+        """A stop string ends at ``token_ids[end - 1]`` (default: the last token). Overlapped
+        stepping passes ``end``: the tokens after it are still on the device."""
+        end = len(token_ids) if end is None else end
+        tail = token_ids[max(0, end - self.window) : end]
+        tail = torch.tensor([tail], dtype=torch.long)  # [1, <= window]
         return bool(self.criterion(tail, None)[0])
 
 

@@ -41,9 +41,10 @@ class UntilMatcher:
         self.window = max(lookback.values())
         self.prompt_len = prompt_len
 
-    def matches(self, token_ids: list[int]) -> bool:
-        start = max(self.prompt_len, len(token_ids) - self.window)
-        text = self.tokenizer.decode(token_ids[start:])
+    def matches(self, token_ids: list[int], end: int | None = None) -> bool:
+        end = len(token_ids) if end is None else end  # tokens after ``end`` are in flight
+        start = max(self.prompt_len, end - self.window)
+        text = self.tokenizer.decode(token_ids[start:end])
         return any(s in text for s in self.stop)
 
 

@@ -226,3 +226,26 @@ def test_llm_bar_counts_tokens_per_step(llm, monkeypatch):
     assert bar.total == sum(p.max_tokens for p in params) and bar.n == bar.total
     assert len(bar.updates) > max(p.max_tokens for p in params)  # at least once per step
     assert bar.updates[0] == 4  # the first step samples a token for each of the 4 prompts
+
+
+def test_stop_strings_overlapped_equal_sync(llm, path):
+    """Stop strings under overlapped stepping: matched when a token's value reaches the host
+    (the in-flight token after it dropped), with the tokens and reasons of synchronous steps."""
+    tok = llm.tokenizer
+    prompts = ["hello wor", "abc", "The cat sat", "xy", "0123456789"]
+    free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    params = []
+    for i, out in enumerate(free):
+        new = out.token_ids  # a string the model emits: early, at its last token, or never
+        stop = [tok.decode(new[2:4])] if i % 3 == 0 else [tok.decode(new[-1:])] if i % 3 == 1 \
+            else ["zzzz"]  # fmt: skip
+        params.append(SamplingParams(temperature=0.0, max_tokens=12 - i % 2, ignore_eos=True,
+                                     stop=stop, min_tokens=i % 3))  # fmt: skip
+    sync = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, max_model_len=64, num_kv_blocks=64, kv_block_size=4, max_num_seqs=4,
+             async_scheduling=True) as over:  # fmt: skip
+        got = over.generate(prompts, params, use_tqdm=False)
+        assert over.stats["num_overlapped_steps"] > 0
+    assert [(o.token_ids, o.finish_reason) for o in got] == sync
+    assert {r for _, r in sync} == {"stop", "length"}
