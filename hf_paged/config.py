@@ -74,6 +74,9 @@ class EngineConfig:
             (one rank only; requests with penalties, logprobs or external sampling step
             synchronously). See ``engine/overlap.py``. None (default) = on for a single-rank
             CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
+        model_impl: "native" = hf_paged's own model classes, "generic" = the HF model's own
+            modules with hf_paged's paged attention (any decoder whose attention goes through
+            transformers' AttentionInterface), "auto" = native where one exists, else generic.
     """
 
     max_num_seqs: int = 256
@@ -91,6 +94,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None
     async_scheduling: bool | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -123,6 +127,8 @@ class EngineConfig:
             )
             if not ok:
                 raise _bad("device", dev, "None, 'cpu', 'cuda' or 'cuda:N'")
+        if self.model_impl not in ("auto", "native", "generic"):
+            raise _bad("model_impl", self.model_impl, "one of ['auto', 'native', 'generic']")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise _bad("attention_backend", self.attention_backend, "None or a backend name")
 

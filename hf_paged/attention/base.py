@@ -35,6 +35,8 @@ class AttentionMetadata:
     # host copies of cu_seqlens_q / context_lens (reference backend loops over them)
     cu_seqlens_q_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
+    # the paged KV cache (hf_paged.models.protocol.KVCache); layer i reads kv_cache[i]
+    kv_cache: object | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None  # attend to keys with q_pos - k_pos < sliding_window
+    head_dim_v: int | None = None  # V head dim; None = head_dim
+    softcap: float | None = None  # scores = softcap * tanh(scores / softcap) before masking
 
 
 class AttentionBackend(ABC):

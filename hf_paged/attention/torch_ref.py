@@ -52,7 +52,8 @@ class TorchRefBackend(AttentionBackend):
             store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
         ctx = meta.context_lens_cpu or meta.context_lens.tolist()
-        out = torch.empty_like(q)
+        dv = v.shape[-1]
+        out = q.new_empty(q.shape[0], q.shape[1], dv)
         group = spec.num_heads // spec.num_kv_heads
         for i in range(meta.num_seqs):
             s, e = cu[i], cu[i + 1]
@@ -67,12 +68,20 @@ class TorchRefBackend(AttentionBackend):
                 keys = keys.repeat_interleave(group, dim=1)
                 vals = vals.repeat_interleave(group, dim=1)
             mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1),  # [H, q_len, D]
-                keys.transpose(0, 1),  # [H, ctx, D]
-                vals.transpose(0, 1),
-                attn_mask=mask,
-                scale=spec.scale,
-            )
+            qs, ks, vs = q[s:e].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+            if spec.softcap is None:  # [H, q_len, D] x [H, ctx, D] -> [H, q_len, Dv]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
+            else:
+                o = softcapped_attention(qs, ks, vs, mask, spec.scale, spec.softcap)
             out[s:e] = o.transpose(0, 1)
         return out
+
+
+def softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma2's score capping: s = c * tanh(s / c), then mask and softmax.
+    q [H, Tq, D], k [H, Tk, D], v [H, Tk, Dv], mask [Tq, Tk] bool -> [H, Tq, Dv]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -41,7 +41,7 @@ class DecodeGraphRunner:
             is_decode=True, num_seqs=bs, slot_mapping=self.slot_mapping[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], max_seqlen_q=1,
-            max_context_len=self.runner.max_model_len,
+            max_context_len=self.runner.max_model_len, kv_cache=self.runner.kv_cache_obj,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -76,8 +76,15 @@ class ModelRunner:
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
         ctx = ModelContext(backend, self.comm)
-        self.model = build_model(spec.hf_config, ctx, self.dtype, self.device)
-        load_weights(self.model, spec.model_source)
+        self.model = build_model(
+            spec.hf_config, ctx, self.dtype, self.device, spec.config.model_impl
+        )
+        if callable(getattr(self.model, "load_weights", None)):  # provisional (protocol branch)
+            self.model.load_weights(spec.model_source)
+        else:
+            load_weights(self.model, spec.model_source)
+        self.kv_specs = getattr(self.model, "kv_cache_specs", None)
+        self.kv_cache_obj = None  # the protocol's KVCache, for models that declare specs
         # drop the source: an in-memory HF model must not be kept alive by its engine
         self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
@@ -100,6 +107,13 @@ class ModelRunner:
         return g
 
     def _set_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        if self.kv_specs is not None:  # provisional: replaced by protocol branch
+            from hf_paged.models.protocol import KVCache
+
+            self.kv_cache_obj = KVCache(
+                self.kv_specs, num_blocks, self.block_size, self.dtype, self.device
+            )
+            return self.kv_cache_obj
         spec = self.attn_layers[0].spec
         kv = torch.zeros(
             2, len(self.attn_layers), num_blocks, self.block_size, spec.num_kv_heads,
@@ -124,6 +138,7 @@ class ModelRunner:
         self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache_obj = None
         torch.cuda.empty_cache()
 
     def _warmup_inputs(self):
@@ -155,6 +170,10 @@ class ModelRunner:
         )
 
     def kv_block_bytes(self) -> int:
+        if self.kv_specs is not None:  # provisional: replaced by protocol branch
+            from hf_paged.models.protocol import KVCache
+
+            return KVCache.block_bytes(self.kv_specs, self.block_size, self.dtype)
         spec = self.attn_layers[0].spec
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return (
@@ -290,6 +309,7 @@ class ModelRunner:
             max_context_len=max(ctx),
             cu_seqlens_q_cpu=cu,
             context_lens_cpu=ctx,
+            kv_cache=self.kv_cache_obj,
         )
 
     @torch.inference_mode()
@@ -376,6 +396,9 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = None
+        if self.kv_cache_obj is not None:
+            self.kv_cache_obj.release()
+            self.kv_cache_obj = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.world_size > 1:
