@@ -226,6 +226,17 @@ def get_engine(model, paged_config: EngineConfig | dict | None = None):
     return slot.engine
 
 
+def _build_engine(model, paged_config):
+    """``get_engine``; a model the engine's model paths refuse at build time (the generic
+    path's profile pass) becomes a fallback with the refusal as its reason."""
+    from hf_paged.models.generic.support import UnsupportedModelError
+
+    try:
+        return get_engine(model, paged_config)
+    except UnsupportedModelError as e:
+        raise PagedFallback("architecture", f"{type(model).__name__}: {e}") from None
+
+
 def release(model) -> None:
     """Close ``model``'s engine now (the next paged call builds a new one)."""
     slot = model.__dict__.get(_SLOT_ATTR)
@@ -282,11 +293,11 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
 
 
 def _model_reason(model) -> tuple[str, str] | None:
-    from hf_paged.models.registry import is_supported, supported_architectures
+    from hf_paged.models.registry import model_class_reason
 
-    name = type(model).__name__
-    if name not in supported_architectures() or not is_supported(model.config):
-        return "architecture", f"{name} is not an architecture the engine implements"
+    why = model_class_reason(type(model), model.config)
+    if why is not None:
+        return "architecture", why
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         return "quantized", "the model is quantized"
     devices = {p.device for p in model.parameters()}
@@ -362,7 +373,9 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
             for k in _NOT_FORWARDED:  # checked by precheck, or stock-only switches
                 named.pop(k, None)
                 extra.pop(k, None)
-            return generate_paged(model, lambda: get_engine(model, paged_config), **named, **extra)
+            return generate_paged(
+                model, lambda: _build_engine(model, paged_config), **named, **extra
+            )
         except PagedFallback as fb:
             warn_fallback(fb.reason, fb.detail)
         finally:

@@ -60,12 +60,62 @@ def get_model_class(hf_config) -> type[nn.Module]:
 
 
 def is_supported(hf_config) -> bool:
-    """True when ``get_model_class`` would return a class."""
+    """True when ``get_model_class`` would return a class (a native implementation exists)."""
     try:
         get_model_class(hf_config)
     except ValueError:
         return False
     return True
+
+
+MODEL_IMPLS = ("auto", "native", "generic")
+
+
+def resolve_model_impl(hf_config, model_impl: str = "auto") -> str:
+    """The path that serves ``hf_config``: "native" or "generic".
+
+    "auto" is native where hf_paged has a class for the architecture, else generic.
+
+    Raises:
+        ValueError: an unknown ``model_impl``; "native" for an architecture without a native
+            class; or a reason the generic path refuses the model (before building it).
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl={model_impl!r} is not allowed: must be one of {MODEL_IMPLS}")
+    if model_impl == "native" or (model_impl == "auto" and is_supported(hf_config)):
+        get_model_class(hf_config)  # raises for non-native architectures
+        return "native"
+    from hf_paged.models.generic.support import check_supported
+
+    check_supported(hf_config)
+    return "generic"
+
+
+def unsupported_reason(hf_config, model_impl: str = "auto") -> str | None:
+    """Why neither path (as ``model_impl`` selects) can serve ``hf_config``, or None. Cheap:
+    builds nothing (the generic path's profile pass may still refuse a model later)."""
+    try:
+        resolve_model_impl(hf_config, model_impl)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def model_class_reason(cls: type, hf_config, model_impl: str = "auto") -> str | None:
+    """Why an in-memory model of class ``cls`` cannot be served, or None: the path serving its
+    config must build exactly that class."""
+    why = unsupported_reason(hf_config, model_impl)
+    if why is not None:
+        return why
+    if resolve_model_impl(hf_config, model_impl) == "native":
+        built = get_model_class(hf_config).__name__
+    else:
+        from hf_paged.models.generic.support import resolve_hf_class
+
+        built = resolve_hf_class(hf_config).__name__
+    if cls.__name__ != built:
+        return f"{cls.__name__} is not the causal LM the engine builds for its config ({built})"
+    return None
 
 
 @contextmanager
@@ -84,12 +134,18 @@ def build_model(
     ctx: ModelContext,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    model_impl: str = "auto",
 ) -> nn.Module:
-    """Build the native model with uninitialised ``dtype`` parameters allocated on ``device``.
+    """Build the model ``model_impl`` selects (see ``resolve_model_impl``).
 
-    Global torch state (default dtype and device) is left as it was. Load weights next with
-    ``hf_paged.models.loader.load_weights``.
+    Native: uninitialised ``dtype`` parameters allocated on ``device``; load weights next with
+    ``hf_paged.models.loader.load_weights``. Generic: ``GenericForCausalLM`` (parameters on meta
+    until its ``load_weights``). Global torch state (default dtype and device) is left as it was.
     """
+    if resolve_model_impl(hf_config, model_impl) == "generic":
+        from hf_paged.models.generic import GenericForCausalLM
+
+        return GenericForCausalLM(hf_config, ctx, dtype, torch.device(device))
     cls = get_model_class(hf_config)
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, ctx)

@@ -1,0 +1,156 @@
+"""``GenericForCausalLM``: any HF decoder served through its own modules (the model protocol).
+
+The HF model is built on meta (``build.py``) with ``attn_implementation`` set to hf_paged's
+registered function (``attention.py``). A step runs the HF backbone on the flattened batch,
+``input_ids [1, T]`` and per-token ``position_ids [1, T]``, with no mask and no HF cache; the
+attention function reads the step's metadata and the paged KV cache. Logits come from the HF
+causal LM's own forward with its backbone swapped for the given hidden rows, so the model's
+head code (Granite's ``logits_scaling``, Gemma2's final softcap, Cohere's ``logit_scale``) runs
+as written, and only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+from torch import nn
+
+from hf_paged.attention.base import AttentionMetadata
+from hf_paged.models.context import ModelContext
+from hf_paged.models.generic import profile
+from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
+from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
+from hf_paged.models.generic.support import UnsupportedModelError, check_supported
+from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
+from hf_paged.models.protocol import KVCacheSpec
+
+_PROFILE_TOKENS = 7
+
+
+class GenericForCausalLM(nn.Module):
+    """An HF causal LM (any decoder whose attention goes through ``AttentionInterface``) on the
+    paged engine. ``kv_cache_specs`` is known after ``load_weights`` (its profile pass).
+
+    Args:
+        hf_config: the model's config; its class is resolved by ``support.resolve_hf_class``.
+        ctx: attention backend and tensor-parallel communicator.
+        dtype, device: of the parameters and activations.
+
+    Raises:
+        UnsupportedModelError: the model cannot be served exactly; the message names why.
+    """
+
+    def __init__(self, hf_config, ctx: ModelContext, dtype: torch.dtype, device):
+        super().__init__()
+        check_supported(hf_config)
+        if ctx.tp_size > 1:
+            raise UnsupportedModelError("tensor parallelism is not implemented on the generic path")
+        self.ctx = ctx
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.hf_model = build_on_meta(hf_config, dtype, self.device)
+        self.backbone = backbone_of(self.hf_model)
+        self.state = StepState(ctx.attn_backend)
+        self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
+        self._install_head_switch()
+        self._specs: list[KVCacheSpec] | None = None
+        self.supports_cuda_graph = True
+        self.cuda_graph_reason: str | None = None
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    @property
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        if self._specs is None:
+            raise RuntimeError("kv_cache_specs are known after load_weights (the profile pass)")
+        return self._specs
+
+    def load_weights(self, source) -> None:
+        """Weights from a checkpoint directory or an in-memory HF model, then the profile pass.
+
+        Raises:
+            UnsupportedModelError: the profile pass found something the engine can't run.
+            ValueError / FileNotFoundError: the weights do not match or are not there.
+        """
+        if isinstance(source, nn.Module):
+            load_from_module(self.hf_model, source, self.device)
+        elif isinstance(source, (str, os.PathLike)):
+            load_from_checkpoint(self.hf_model, source, self.device, self.dtype)
+        else:
+            raise TypeError(f"source={type(source).__name__} is not a directory or an nn.Module")
+        left = meta_tensor_attributes(self.hf_model)
+        if left:
+            raise UnsupportedModelError(f"tensors computed at init cannot be rebuilt: {left[:4]}")
+        self._profile()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        with self.state.active(meta=meta):
+            return self._backbone(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] through the HF model's own head code."""
+        self._head_hidden = hidden.unsqueeze(0)
+        try:
+            dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            out = self.hf_model(input_ids=dummy, use_cache=False)
+        finally:
+            self._head_hidden = None
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[0]
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return hidden[0]
+
+    def _install_head_switch(self) -> None:
+        """The backbone's forward returns ``_head_hidden`` while ``compute_logits`` runs."""
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        backbone, owner = self.backbone, self
+        real_forward = type(backbone).forward
+
+        def forward(module, *args, **kwargs):
+            if owner._head_hidden is not None:
+                return BaseModelOutputWithPast(last_hidden_state=owner._head_hidden)
+            return real_forward(module, *args, **kwargs)
+
+        backbone.forward = types.MethodType(forward, backbone)
+
+    @torch.no_grad()
+    def _profile(self) -> None:
+        names = {id(m): n for n, m in self.hf_model.named_modules()}
+        recorder = profile.Recorder(names)
+        g = torch.Generator().manual_seed(0)
+        vocab = self.hf_model.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (_PROFILE_TOKENS,), generator=g).to(self.device)
+        pos = torch.arange(_PROFILE_TOKENS, device=self.device)
+        try:
+            with self.state.active(recorder=recorder):
+                hidden = self._backbone(ids, pos)
+            with self.state.active(recorder=profile.Recorder(names)):
+                full = self.hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # noqa: BLE001  a model the flattened call cannot run
+            raise UnsupportedModelError(
+                f"the flattened forward failed: {type(e).__name__}: {e}"
+            ) from e
+        records = recorder.result()
+        split = self.compute_logits(hidden)
+        if not torch.allclose(split.float(), full.logits[0].float(), rtol=1e-3, atol=1e-3):
+            raise UnsupportedModelError("the causal LM's head does not split from its backbone")
+        modules = {n: m for n, m in self.hf_model.named_modules()}
+        for i, rec in enumerate(records):
+            modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(i, rec.spec)
+        self._specs = [profile.kv_cache_spec(r.spec) for r in records]
+        self.layer_specs = [r.spec for r in records]
