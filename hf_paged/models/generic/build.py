@@ -61,12 +61,13 @@ def meta_tensor_attributes(model: nn.Module) -> list[str]:
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
-    """The decoder stack the causal LM's forward calls (``model.model``, ``transformer``...)."""
+    """The decoder stack the causal LM's forward calls: ``get_decoder()`` (OPT's
+    ``model.decoder``, Llama's ``model``...), else the base model."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if isinstance(decoder, nn.Module) and decoder is not model:
+        return decoder
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:
         return base
-    prefix = getattr(model, "base_model_prefix", "")
-    sub = getattr(model, prefix, None) if prefix else None
-    if isinstance(sub, nn.Module):
-        return sub
     raise ValueError(f"{type(model).__name__} has no backbone module to call")

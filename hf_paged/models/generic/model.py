@@ -54,6 +54,7 @@ class GenericForCausalLM(nn.Module):
         self.backbone = backbone_of(self.hf_model)
         self.state = StepState(ctx.attn_backend)
         self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
+        self._head_output_cls = None  # the backbone's output class, seen in the profile pass
         self._install_head_switch()
         self._specs: list[KVCacheSpec] | None = None
         self.supports_cuda_graph = True
@@ -109,19 +110,17 @@ class GenericForCausalLM(nn.Module):
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return hidden[0]
+        self._head_output_cls = type(out)
+        return out[0][0]  # last_hidden_state [1, T, hidden] -> [T, hidden]
 
     def _install_head_switch(self) -> None:
         """The backbone's forward returns ``_head_hidden`` while ``compute_logits`` runs."""
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
         backbone, owner = self.backbone, self
         real_forward = type(backbone).forward
 
         def forward(module, *args, **kwargs):
-            if owner._head_hidden is not None:
-                return BaseModelOutputWithPast(last_hidden_state=owner._head_hidden)
+            if owner._head_hidden is not None:  # what the real forward returns, hidden only
+                return owner._head_output_cls(last_hidden_state=owner._head_hidden)
             return real_forward(module, *args, **kwargs)
 
         backbone.forward = types.MethodType(forward, backbone)
@@ -146,11 +145,20 @@ class GenericForCausalLM(nn.Module):
                 f"the flattened forward failed: {type(e).__name__}: {e}"
             ) from e
         records = recorder.result()
-        split = self.compute_logits(hidden)
-        if not torch.allclose(split.float(), full.logits[0].float(), rtol=1e-3, atol=1e-3):
-            raise UnsupportedModelError("the causal LM's head does not split from its backbone")
-        modules = {n: m for n, m in self.hf_model.named_modules()}
+        self._check_head(hidden, full.logits[0])
+        modules = dict(self.hf_model.named_modules())
         for i, rec in enumerate(records):
             modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(i, rec.spec)
         self._specs = [profile.kv_cache_spec(r.spec) for r in records]
         self.layer_specs = [r.spec for r in records]
+
+    def _check_head(self, hidden: torch.Tensor, full_logits: torch.Tensor) -> None:
+        """``compute_logits`` on the backbone's rows must give the HF forward's logits."""
+        try:
+            split = self.compute_logits(hidden)
+        except Exception as e:  # noqa: BLE001
+            raise UnsupportedModelError(
+                f"the causal LM's head does not run apart from its backbone: {type(e).__name__}: {e}"
+            ) from e
+        if not torch.allclose(split.float(), full_logits.float(), rtol=1e-3, atol=1e-3):
+            raise UnsupportedModelError("the causal LM's head does not split from its backbone")

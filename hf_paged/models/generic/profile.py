@@ -129,4 +129,4 @@ def _reference(query, key, value, spec: AttentionLayerSpec) -> torch.Tensor:
     if spec.softcap is not None:
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).unsqueeze(0).to(query.dtype).contiguous()
