@@ -77,6 +77,8 @@ _SMALL = {
     "eos_token_id": 2,
     "is_decoder": True,  # BERT-style LM heads are causal only as decoders
 }
+# keys whose None default means "off" (no window, no low-rank q, full rotary...): kept None
+_KEEP_NONE = {"sliding_window", "q_lora_rank", "rotary_dim", "partial_rotary_factor"}
 # per model_type extra overrides (applied after _SMALL)
 _EXTRA: dict[str, dict] = {}
 
@@ -120,15 +122,15 @@ def shrink_config(config):
     n_orig = getattr(config, "num_hidden_layers", None)
     keys = set(d) | set(getattr(config, "attribute_map", {}))
     for k, v in {**_SMALL, **_EXTRA.get(config.model_type, {})}.items():
-        if k in keys and (k in _EXTRA.get(config.model_type, {}) or d.get(k, 0) is not None):
+        if k in keys and not (k in _KEEP_NONE and d.get(k, 0) is None):
             d[k] = v
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if "num_key_value_heads" in keys and kv is not None:  # keep MHA / MQA / GQA as it was
-        d["num_key_value_heads"] = 4 if kv == heads else 1 if kv == 1 else 2
+    if "num_key_value_heads" in keys:  # keep MHA / MQA / GQA as it was
+        d["num_key_value_heads"] = 4 if kv in (heads, None) else 1 if kv == 1 else 2
     if "qk_rope_head_dim" in keys:  # MLA: head_dim is the rotary part
         d["head_dim"] = d["qk_rope_head_dim"]
     if "text_config" in d and isinstance(d["text_config"], dict):
-        d["text_config"] = shrink_config(getattr(config, "text_config")).to_dict()
+        d["text_config"] = shrink_config(config.text_config).to_dict()
     for k, v in list(d.items()):
         if isinstance(v, list) and n_orig and len(v) == n_orig and n_orig > 2:
             d[k] = _layer_list(v, 2)
@@ -168,12 +170,13 @@ def _generate(model, ids, mask, **kw):
 
 def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> ArchResult:
     """Build, save, reload, and compare paged with stock greedy for one architecture."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
     from hf_paged.integration.dispatch import (
         PagedFallbackWarning,
         _reset_fallback_warnings,
         release,
     )
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     t0 = time.perf_counter()
     res = ArchResult(model_type, class_name, "no_build")
