@@ -45,7 +45,9 @@ class KVCache:
                 k_all, v_all = kv[0], kv[1]
             else:
                 k_all = torch.zeros(n, num_blocks, block_size, heads, d, dtype=dtype, device=device)
-                v_all = torch.zeros(n, num_blocks, block_size, heads, dv, dtype=dtype, device=device)
+                v_all = torch.zeros(
+                    n, num_blocks, block_size, heads, dv, dtype=dtype, device=device
+                )
             for j, layer in enumerate(layers):
                 self._layers[layer] = (k_all[j], v_all[j])
 

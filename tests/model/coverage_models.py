@@ -124,7 +124,10 @@ def shrink_config(config):
     for k, v in {**_SMALL, **_EXTRA.get(config.model_type, {})}.items():
         if k in keys and not (k in _KEEP_NONE and d.get(k, 0) is None):
             d[k] = v
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv = (
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "num_key_value_heads", None),
+    )
     if "num_key_value_heads" in keys:  # keep MHA / MQA / GQA as it was
         d["num_key_value_heads"] = 4 if kv in (heads, None) else 1 if kv == 1 else 2
     if "qk_rope_head_dim" in keys:  # MLA: head_dim is the rotary part

@@ -109,7 +109,9 @@ class GenericForCausalLM(nn.Module):
     # ---- internals --------------------------------------------------------------------------
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.backbone(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+        )
         self._head_output_cls = type(out)
         return out[0][0]  # last_hidden_state [1, T, hidden] -> [T, hidden]
 
