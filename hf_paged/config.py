@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_MODEL_IMPLS = ("auto", "native", "generic")  # as hf_paged.models.registry.MODEL_IMPLS
 
 
 def _bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -74,9 +75,9 @@ class EngineConfig:
             (one rank only; requests with penalties, logprobs or external sampling step
             synchronously). See ``engine/overlap.py``. None (default) = on for a single-rank
             CUDA engine (it measured 18.6k -> 25.1k tok/s on W1), off on CPU and with TP.
-        model_impl: "native" = hf_paged's own model classes, "generic" = the HF model's own
-            modules with hf_paged's paged attention (any decoder whose attention goes through
-            transformers' AttentionInterface), "auto" = native where one exists, else generic.
+        model_impl: which model path runs the model: "native" (our decoders), "generic" (HF's
+            own modules with our attention) or "auto" (native when the architecture has a
+            native implementation, else generic).
     """
 
     max_num_seqs: int = 256
@@ -127,8 +128,8 @@ class EngineConfig:
             )
             if not ok:
                 raise _bad("device", dev, "None, 'cpu', 'cuda' or 'cuda:N'")
-        if self.model_impl not in ("auto", "native", "generic"):
-            raise _bad("model_impl", self.model_impl, "one of ['auto', 'native', 'generic']")
+        if self.model_impl not in _MODEL_IMPLS:
+            raise _bad("model_impl", self.model_impl, f"one of {list(_MODEL_IMPLS)}")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise _bad("attention_backend", self.attention_backend, "None or a backend name")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.layers.attention import Attention
+from hf_paged.models.protocol import KVCache
 from hf_paged.testing import (  # noqa: F401  (re-exported for tests)
     FAMILIES,
     build_hf_model,
@@ -24,15 +24,11 @@ from hf_paged.testing import (  # noqa: F401  (re-exported for tests)
 # ---- paged KV cache and metadata ---------------------------------------------------------
 
 
-def attach_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype=None) -> None:
-    """Allocate a zeroed [num_blocks, block_size, kv_heads, head_dim] K and V cache per layer
-    and assign them to every ``Attention`` module of ``model``."""
+def make_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype=None) -> KVCache:
+    """A zeroed ``KVCache`` for ``model.kv_cache_specs`` (as the ModelRunner allocates it), in
+    the model's parameter dtype and device unless ``dtype`` is given."""
     param = next(model.parameters())
-    for m in model.modules():
-        if isinstance(m, Attention):
-            shape = (num_blocks, block_size, m.spec.num_kv_heads, m.spec.head_dim)
-            m.k_cache = torch.zeros(shape, dtype=dtype or param.dtype, device=param.device)
-            m.v_cache = torch.zeros_like(m.k_cache)
+    return KVCache(model.kv_cache_specs, num_blocks, block_size, dtype or param.dtype, param.device)
 
 
 def build_metadata(
@@ -41,6 +37,7 @@ def build_metadata(
     block_size: int,
     max_blocks_per_seq: int,
     device: str | torch.device = "cpu",
+    kv_cache: KVCache | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for a ragged step where sequence i computes its last ``q_lens[i]`` tokens of
     ``context_lens[i]``; sequence i owns blocks ``[i * max_blocks_per_seq, (i+1) * ...)``.
@@ -70,21 +67,24 @@ def build_metadata(
         max_context_len=max(context_lens),
         cu_seqlens_q_cpu=cu,
         context_lens_cpu=list(context_lens),
+        kv_cache=kv_cache,
     )
     return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 def run_step(
     model: nn.Module,
+    kv_cache: KVCache,
     seqs: list[list[int]],
     q_lens: list[int],
     block_size: int,
     max_blocks_per_seq: int,
 ) -> list[torch.Tensor]:
     """Run one ragged step computing the last ``q_lens[i]`` tokens of each ``seqs[i]`` (earlier
-    tokens must already be in the cache) and return each sequence's logits [q_len, vocab]
+    tokens must already be in ``kv_cache``) and return each sequence's logits [q_len, vocab]
     (None each on tensor-parallel ranks other than 0)."""
-    meta, positions = build_metadata(q_lens, [len(s) for s in seqs], block_size, max_blocks_per_seq)
+    lens = [len(s) for s in seqs]
+    meta, positions = build_metadata(q_lens, lens, block_size, max_blocks_per_seq, kv_cache=kv_cache)
     input_ids = torch.tensor(
         [t for s, q in zip(seqs, q_lens, strict=True) for t in s[len(s) - q :]]
     )

@@ -6,18 +6,23 @@ prompt, a prefill chunk over cached tokens, or one decode token) that sit at pos
 ``slot_mapping``; then every new query attends causally to all ``context_len_i`` cached keys of
 its sequence (limited to the last ``sliding_window`` keys when the layer has one).
 
-KV cache layout per layer: ``k_cache``, ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]``; token t of a sequence lives in block
+KV cache layout per layer: ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` and
+``v_cache`` ``[..., head_dim_v]``; token t of a sequence lives in block
 ``block_tables[i, t // block_size]`` at offset ``t % block_size``; its flat slot is
-``block_id * block_size + offset``.
+``block_id * block_size + offset``. The ModelRunner owns the caches (a
+``hf_paged.models.protocol.KVCache``) and passes them in ``AttentionMetadata.kv_cache``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # typing only: attention/ sits below models/
+    from hf_paged.models.protocol import KVCache
 
 
 @dataclass
@@ -35,8 +40,9 @@ class AttentionMetadata:
     # host copies of cu_seqlens_q / context_lens (reference backend loops over them)
     cu_seqlens_q_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
-    # the paged KV cache (hf_paged.models.protocol.KVCache); layer i reads kv_cache[i]
-    kv_cache: object | None = None
+    # the paged caches, indexed by KV layer: kv_cache[i] -> (k_cache, v_cache). None = no cache
+    # (a profile pass): attention then covers the new tokens only, with nothing cached before.
+    kv_cache: KVCache | None = None
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,16 @@ class AttentionLayerSpec:
 
     num_heads: int  # query heads on this rank
     num_kv_heads: int  # kv heads on this rank
-    head_dim: int
+    head_dim: int  # of q and k
     scale: float
     sliding_window: int | None = None  # attend to keys with q_pos - k_pos < sliding_window
-    head_dim_v: int | None = None  # V head dim; None = head_dim
-    softcap: float | None = None  # scores = softcap * tanh(scores / softcap) before masking
+    head_dim_v: int | None = None  # of v and the output; None = head_dim
+    softcap: float | None = None  # scores = softcap * tanh(scores / softcap), before masking
+
+    @property
+    def v_head_dim(self) -> int:
+        """The V (and output) head dim, resolved."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 class AttentionBackend(ABC):
@@ -57,13 +68,21 @@ class AttentionBackend(ABC):
 
     ``forward`` must: (1) write ``k``/``v`` into the caches at ``meta.slot_mapping`` (skipping
     -1) unless ``kv_stored`` says a fused kernel already did (only offered to backends with
-    ``accepts_stored_kv``), (2) return the attention output for every query token. Safe to call inside CUDA-graph
+    ``accepts_stored_kv``), (2) return the attention output for every query token. With
+    ``k_cache``/``v_cache`` None (no cache yet) it attends over the new tokens only and raises
+    ``ValueError`` if a sequence has cached tokens before them. Safe to call inside CUDA-graph
     capture when ``meta.is_decode`` (backends that cannot say so via ``supports_cuda_graph``).
+    ``problem(spec, ...)`` says, before any call, which layers a backend cannot compute (the
+    caller then picks another backend for that layer); it never returns wrong output instead.
     """
 
     name: str = "base"
     supports_cuda_graph: bool = False
-    accepts_stored_kv: bool = False  # may the model write the KV cache before ``forward``?
+    accepts_stored_kv: bool = False  # may the caller write the KV cache before ``forward``?
+
+    def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
+        """Why this backend cannot compute a layer of ``spec`` (None = it can)."""
+        return None
 
     @abstractmethod
     def forward(
@@ -71,10 +90,10 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
         ...

@@ -33,7 +33,26 @@ def causal_mask(
     return mask
 
 
+def attend(
+    q: torch.Tensor,  # [H, q_len, D]
+    keys: torch.Tensor,  # [H, ctx, D]
+    vals: torch.Tensor,  # [H, ctx, Dv]
+    mask: torch.Tensor,  # [q_len, ctx] bool, True = attend
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [H, q_len, Dv]
+    """Masked softmax attention; with ``softcap`` the scores are ``c * tanh(s / c)`` first."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H, q_len, ctx]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(vals.dtype), vals)
+
+
 class TorchRefBackend(AttentionBackend):
+    """Every layer spec (GQA, sliding window, softcap, V head dim != K head dim); host loop."""
+
     name = "torch"
     supports_cuda_graph = False
 
@@ -41,19 +60,19 @@ class TorchRefBackend(AttentionBackend):
         self,
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        v: torch.Tensor,  # [T, Hkv, Dv]
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
-    ) -> torch.Tensor:
-        if not kv_stored:
+    ) -> torch.Tensor:  # [T, H, Dv]
+        has_cache = k_cache is not None and v_cache is not None
+        if has_cache and not kv_stored:
             store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         cu = meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist()
         ctx = meta.context_lens_cpu or meta.context_lens.tolist()
-        dv = v.shape[-1]
-        out = q.new_empty(q.shape[0], q.shape[1], dv)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         group = spec.num_heads // spec.num_kv_heads
         for i in range(meta.num_seqs):
             s, e = cu[i], cu[i + 1]
@@ -61,6 +80,11 @@ class TorchRefBackend(AttentionBackend):
                 continue
             if ctx[i] == e - s:  # nothing cached before this chunk: use k/v as computed
                 keys, vals = k[s:e], v[s:e]
+            elif not has_cache:
+                raise ValueError(
+                    f"sequence {i} has {ctx[i] - (e - s)} cached tokens but meta.kv_cache is "
+                    "None: without a cache only whole prompts can be attended"
+                )
             else:
                 keys = gather_kv(k_cache, meta.block_tables[i], ctx[i]).to(q.dtype)
                 vals = gather_kv(v_cache, meta.block_tables[i], ctx[i]).to(q.dtype)
@@ -68,20 +92,13 @@ class TorchRefBackend(AttentionBackend):
                 keys = keys.repeat_interleave(group, dim=1)
                 vals = vals.repeat_interleave(group, dim=1)
             mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device)
-            qs, ks, vs = q[s:e].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
-            if spec.softcap is None:  # [H, q_len, D] x [H, ctx, D] -> [H, q_len, Dv]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=spec.scale)
-            else:
-                o = softcapped_attention(qs, ks, vs, mask, spec.scale, spec.softcap)
+            o = attend(
+                q[s:e].transpose(0, 1),  # [H, q_len, D]
+                keys.transpose(0, 1),  # [H, ctx, D]
+                vals.transpose(0, 1),  # [H, ctx, Dv]
+                mask,
+                spec.scale,
+                spec.softcap,
+            )
             out[s:e] = o.transpose(0, 1)
         return out
-
-
-def softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with Gemma2's score capping: s = c * tanh(s / c), then mask and softmax.
-    q [H, Tq, D], k [H, Tk, D], v [H, Tk, Dv], mask [Tq, Tk] bool -> [H, Tq, Dv]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)

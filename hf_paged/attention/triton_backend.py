@@ -6,7 +6,9 @@ kernel (evaluation/bench_kernels.py). The aten kernel, which reads the new K/V d
 for pure prefill (no cached tokens) on CUDA in fp16/bf16 when asked (``use_flash_prefill``) or
 when the block tables cannot cover the contexts (e.g. a warm-up pass run before the KV cache
 exists). The decode path (store + paged decode) does no host sync and sizes everything from
-tensor shapes, so it can be captured in a CUDA graph.
+tensor shapes, so it can be captured in a CUDA graph. ``problem`` names the layers the kernels
+cannot compute (score softcap, V head dim != K head dim, odd head dims), so the caller gives those
+layers the torch reference instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import torch
 
 from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from hf_paged.attention.torch_ref import TorchRefBackend
 from hf_paged.kernels.kv_store import store_kvcache
 from hf_paged.kernels.paged_decode import paged_decode
 from hf_paged.kernels.paged_prefill import paged_prefill
@@ -52,17 +55,37 @@ class TritonBackend(AttentionBackend):
         # None = not tried yet; False after the aten kernel failed once (then never again).
         self._flash_ok: bool | None = None
 
+    def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
+        """Why the Triton kernels cannot compute a layer of ``spec`` (None = they can): they
+        have no score softcap and need V's head dim equal to K's, a power of 2 >= 16."""
+        if spec.softcap is not None:
+            return f"softcap={spec.softcap} (the Triton kernels have no score softcap)"
+        if spec.v_head_dim != spec.head_dim:
+            return f"head_dim_v={spec.v_head_dim} != head_dim={spec.head_dim}"
+        d = spec.head_dim
+        if d < 16 or d & (d - 1):
+            return f"head_dim={d} (the Triton kernels need a power of 2 >= 16)"
+        if block_size < 8 or block_size & (block_size - 1):
+            return f"kv_block_size={block_size} (the Triton kernels need a power of 2 >= 8)"
+        if spec.num_heads % spec.num_kv_heads:
+            return f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype={dtype}"
+        return None
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor | None,
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if k_cache is None or v_cache is None:
+            return self._forward_no_cache(q, k, v, meta, spec)
         if not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
@@ -101,6 +124,15 @@ class TritonBackend(AttentionBackend):
             spec.scale,
             spec.sliding_window,
         )
+
+    def _forward_no_cache(self, q, k, v, meta, spec) -> torch.Tensor:
+        """No KV cache yet (a profile pass): whole prompts only, through aten flash attention
+        when it takes the inputs, else the torch reference."""
+        if self._flash_usable(q) and _is_pure_prefill(meta):
+            out = self._flash_prefill(q, k, v, meta, spec)
+            if out is not None:
+                return out
+        return TorchRefBackend().forward(q, k, v, None, None, meta, spec)
 
     def _flash_usable(self, q: torch.Tensor) -> bool:
         return (

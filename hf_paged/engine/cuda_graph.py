@@ -1,6 +1,8 @@
 """Decode CUDA graphs: one graph per batch size (1, 2, 4, 8, then every multiple of 16 up to
 max_num_seqs, plus max_num_seqs itself), all writing into shared static buffers. A decode step of
-n sequences replays the smallest graph of size >= n; rows past n are padding (slot -1)."""
+n sequences replays the smallest graph of size >= n; rows past n are padding (slot -1).
+The runner's ``KVCache`` goes into the captured metadata, so the graphs read and write the same
+cache tensors the eager steps use (it must outlive the graphs)."""
 
 from __future__ import annotations
 
@@ -24,14 +26,13 @@ class DecodeGraphRunner:
         max_bs = self.sizes[-1]
         dev = runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        hidden = runner.spec.hf_config.hidden_size
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
         self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.outputs = torch.zeros(max_bs, hidden, dtype=runner.dtype, device=dev)
+        self.outputs: torch.Tensor | None = None  # [max_bs, H], sized by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture()
@@ -41,7 +42,7 @@ class DecodeGraphRunner:
             is_decode=True, num_seqs=bs, slot_mapping=self.slot_mapping[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], max_seqlen_q=1,
-            max_context_len=self.runner.max_model_len, kv_cache=self.runner.kv_cache_obj,
+            max_context_len=self.runner.max_model_len, kv_cache=self.runner.kv_cache,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -50,7 +51,10 @@ class DecodeGraphRunner:
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
             meta = self._meta(bs)
             args = (self.input_ids[:bs], self.positions[:bs], meta)
-            self.outputs[:bs] = model(*args)  # warm up (kernel autotuning, allocations)
+            hidden = model(*args)  # warm up (kernel autotuning, allocations)
+            if self.outputs is None:
+                self.outputs = hidden.new_zeros(self.sizes[-1], *hidden.shape[1:])
+            self.outputs[:bs] = hidden
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = model(*args)

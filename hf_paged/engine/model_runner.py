@@ -3,6 +3,8 @@ runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, sa
 
 Construction, in order (the seed's contract): process group -> model + weights on the rank's
 device -> ``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``.
+The model is any ``hf_paged.models.protocol.PagedModel``: the runner sizes the ``KVCache`` from
+its ``kv_cache_specs`` and passes the cache in every step's ``AttentionMetadata.kv_cache``.
 Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
 (``ipc.WorkerGroup``) dispatches what rank 0 broadcasts, by method name, to their runner.
 """
@@ -20,10 +22,9 @@ from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
 from hf_paged.engine.step_profile import StepProfile
-from hf_paged.layers.attention import Attention
+from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
-from hf_paged.models.context import ModelContext
-from hf_paged.models.loader import load_weights
+from hf_paged.models.protocol import KVCache, KVCacheSpec
 from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
@@ -75,20 +76,18 @@ class ModelRunner:
 
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
-        ctx = ModelContext(backend, self.comm)
+        self.ctx = ModelContext(backend, self.comm, kv_block_size=self.block_size)
         self.model = build_model(
-            spec.hf_config, ctx, self.dtype, self.device, spec.config.model_impl
+            spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
         )
-        if callable(getattr(self.model, "load_weights", None)):  # provisional (protocol branch)
-            self.model.load_weights(spec.model_source)
-        else:
-            load_weights(self.model, spec.model_source)
-        self.kv_specs = getattr(self.model, "kv_cache_specs", None)
-        self.kv_cache_obj = None  # the protocol's KVCache, for models that declare specs
+        self.model.load_weights(spec.model_source)
         # drop the source: an in-memory HF model must not be kept alive by its engine
         self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_specs: list[KVCacheSpec] = list(self.model.kv_cache_specs)
+        if not self.kv_specs:
+            raise ValueError(f"{type(self.model).__name__}.kv_cache_specs is empty")
+        self.kv_cache: KVCache | None = None
         self.sampler = Sampler(self._make_generator()) if rank == 0 else None
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
@@ -96,7 +95,8 @@ class ModelRunner:
         self.warmup_model()
         self.num_kv_blocks = self.allocate_kv_cache()
         self.graph_runner = None
-        if self.device.type == "cuda" and not spec.config.enforce_eager:
+        self.cuda_graph_reason = self._cuda_graph_problem()
+        if self.device.type == "cuda" and self.cuda_graph_reason is None:
             self.capture_cudagraph()
 
     # ---- construction steps -------------------------------------------------------------
@@ -106,22 +106,24 @@ class ModelRunner:
         g.manual_seed(self.config.seed)
         return g
 
-    def _set_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        if self.kv_specs is not None:  # provisional: replaced by protocol branch
-            from hf_paged.models.protocol import KVCache
+    def _set_kv_cache(self, num_blocks: int) -> KVCache:
+        """Set the runner's KV cache to a zeroed one of ``num_blocks`` blocks (the steps
+        prepared from now on carry it in their metadata)."""
+        self.kv_cache = KVCache(self.kv_specs, num_blocks, self.block_size, self.dtype, self.device)
+        return self.kv_cache
 
-            self.kv_cache_obj = KVCache(
-                self.kv_specs, num_blocks, self.block_size, self.dtype, self.device
-            )
-            return self.kv_cache_obj
-        spec = self.attn_layers[0].spec
-        kv = torch.zeros(
-            2, len(self.attn_layers), num_blocks, self.block_size, spec.num_kv_heads,
-            spec.head_dim, dtype=self.dtype, device=self.device,
-        )  # fmt: skip
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-        return kv
+    def _cuda_graph_problem(self) -> str | None:
+        """Why decode will run eagerly (None = it is captured, on CUDA)."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if not getattr(self.model, "supports_cuda_graph", False):
+            why = getattr(self.model, "cuda_graph_reason", None) or "the model says so"
+            return f"{type(self.model).__name__} does not support CUDA graphs: {why}"
+        if not self.attn_backend.supports_cuda_graph:
+            return f"the {self.attn_backend.name!r} attention backend is not CUDA-graph safe"
+        if self.ctx.fallbacks:
+            return f"layers {sorted(self.ctx.fallbacks)} use the torch reference attention"
+        return None
 
     def warmup_model(self) -> None:
         """A synthetic prefill at the largest step size, to compile kernels and measure the
@@ -136,9 +138,9 @@ class ModelRunner:
         self._warmup_forward(*step)
         torch.cuda.synchronize(self.device)
         self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache_obj = None
+        del step
+        self.kv_cache.release()
+        self.kv_cache = None
         torch.cuda.empty_cache()
 
     def _warmup_inputs(self):
@@ -170,15 +172,8 @@ class ModelRunner:
         )
 
     def kv_block_bytes(self) -> int:
-        if self.kv_specs is not None:  # provisional: replaced by protocol branch
-            from hf_paged.models.protocol import KVCache
-
-            return KVCache.block_bytes(self.kv_specs, self.block_size, self.dtype)
-        spec = self.attn_layers[0].spec
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return (
-            2 * len(self.attn_layers) * self.block_size * spec.num_kv_heads * spec.head_dim * elem
-        )
+        """Bytes one block id costs: every layer's K and V (layers may differ)."""
+        return KVCache.block_bytes(self.kv_specs, self.block_size, self.dtype)
 
     def allocate_kv_cache(self) -> int:
         """Size and allocate the KV cache; returns the block count (MIN over ranks)."""
@@ -205,7 +200,7 @@ class ModelRunner:
                 f"({block_bytes} bytes each) but max_model_len={self.max_model_len} needs {need}: "
                 "raise num_kv_blocks / kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
             )
-        self.kv_cache = self._set_kv_cache(num_blocks)
+        self._set_kv_cache(num_blocks)
         return num_blocks
 
     def capture_cudagraph(self) -> None:
@@ -309,7 +304,7 @@ class ModelRunner:
             max_context_len=max(ctx),
             cu_seqlens_q_cpu=cu,
             context_lens_cpu=ctx,
-            kv_cache=self.kv_cache_obj,
+            kv_cache=self.kv_cache,
         )
 
     @torch.inference_mode()
@@ -393,12 +388,9 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        if self.kv_cache is not None:
+            self.kv_cache.release()
         self.kv_cache = None
-        if self.kv_cache_obj is not None:
-            self.kv_cache_obj.release()
-            self.kv_cache_obj = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.world_size > 1:

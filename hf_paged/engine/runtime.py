@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import EngineConfig
-from hf_paged.models.registry import resolve_model_impl
+from hf_paged.models.registry import resolve_model_class
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -102,7 +102,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
             f"model={type(model).__name__} is not allowed: pass a checkpoint directory or a "
             "transformers PreTrainedModel"
         )
-    resolve_model_impl(hf_config, config.model_impl)  # raises, naming why, if no path serves it
+    resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
     max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = config.max_model_len or max_pos
     eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(

@@ -1,61 +1,80 @@
-"""Paged attention layer: holds one layer's KV cache and hands the math to the backend."""
+"""Paged attention layer: applies rope (fused with the KV-cache store when it can), reads its
+layer's KV cache from the step's metadata and hands the math to its backend."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
-from hf_paged.models.context import ModelContext
+from hf_paged.layers.context import ModelContext
+from hf_paged.layers.layernorm import RMSNorm
+from hf_paged.layers.rotary import apply_rotary_emb_qk
+
+
+@dataclass
+class RopeInputs:
+    """What the layer needs to rotate q and k itself: cos/sin [T, head_dim] and, for models
+    with per-head q/k norms applied before rope (Qwen3), both norms."""
+
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor  # [T, head_dim]
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
 
 
 class Attention(nn.Module):
     """One layer's attention over the paged KV cache.
 
-    ``k_cache`` / ``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are assigned by
-    the ModelRunner after it allocates the cache; until then they are empty tensors. They are
-    plain attributes, not buffers, so ``state_dict`` and ``.to()`` never touch them.
+    The cache is not held here: each forward reads ``meta.kv_cache[layer_idx]`` (the runner's
+    ``KVCache``); ``meta.kv_cache is None`` means no cache yet, and then only whole prompts can
+    be attended. With ``rope`` given the layer rotates q and k itself, and when the backend lets
+    a kernel write the cache (``accepts_stored_kv``) the rotary kernel stores k and v in the
+    same launch; model code never deals with that choice.
 
     Args:
-        spec: this layer's static facts (heads on this rank, head_dim, scale, sliding window).
-        ctx: the model context; its ``attn_backend`` does the computation.
+        spec: this layer's static facts (heads on this rank, head dims, scale, window, softcap).
+        ctx: the model context; ``ctx.backend_for`` picks the backend that can compute ``spec``.
+        layer_idx: this layer's KV layer index (0..L-1, the index into ``meta.kv_cache``).
     """
 
-    def __init__(self, spec: AttentionLayerSpec, ctx: ModelContext):
+    def __init__(self, spec: AttentionLayerSpec, ctx: ModelContext, layer_idx: int):
         super().__init__()
         self.spec = spec
-        self.ctx = ctx  # backend read at each forward, so the runner may swap it
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.layer_idx = layer_idx
+        self.backend = ctx.backend_for(layer_idx, spec)
 
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads * head_dim] or [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        v: torch.Tensor,  # [T, num_kv_heads * head_dim_v] or [T, num_kv_heads, head_dim_v]
         meta: AttentionMetadata,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:  # [T, num_heads * head_dim]
-        """``kv_stored``: k and v are already in the cache (written with the rotary kernel)."""
+        rope: RopeInputs | None = None,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim_v]
+        """``rope=None``: q and k are already rotated (or the model has no rope)."""
         s = self.spec
         q = q.reshape(-1, s.num_heads, s.head_dim)
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
-        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        backend = self.ctx.attn_backend
-        o = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, s, kv_stored=kv_stored)
-        return o.reshape(-1, s.num_heads * s.head_dim)
-
-    def kv_cache_write(self, v: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
-        """``(v, k_cache, v_cache, slot_mapping)`` for a kernel that can write this layer's new
-        K/V into the cache as it makes them; None when the backend stores them itself (the
-        torch reference) or there is no cache yet (warm-up)."""
-        if not self.ctx.attn_backend.accepts_stored_kv or self.k_cache.numel() == 0:
-            return None
-        return (v, self.k_cache, self.v_cache, meta.slot_mapping)
+        v = v.reshape(-1, s.num_kv_heads, s.v_head_dim)
+        k_cache, v_cache = (None, None) if meta.kv_cache is None else meta.kv_cache[self.layer_idx]
+        stored = False
+        if rope is not None:
+            write = None
+            if self.backend.accepts_stored_kv and k_cache is not None:
+                write = (v, k_cache, v_cache, meta.slot_mapping)
+            q, k, stored = apply_rotary_emb_qk(
+                q, k, rope.cos, rope.sin, rope.q_norm, rope.k_norm, kv_cache=write
+            )
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, s, kv_stored=stored)
+        return o.reshape(-1, s.num_heads * s.v_head_dim)
 
     def extra_repr(self) -> str:
         s = self.spec
         return (
-            f"heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
-            f"sliding_window={s.sliding_window}, backend={self.ctx.attn_backend.name}"
+            f"layer={self.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, "
+            f"head_dim={s.head_dim}, head_dim_v={s.v_head_dim}, "
+            f"sliding_window={s.sliding_window}, softcap={s.softcap}, backend={self.backend.name}"
         )

@@ -144,7 +144,7 @@ def apply_rotary_emb_qk(
 
     On CUDA (with triton) one Triton launch (``hf_paged.kernels.fused_rope``); elsewhere, or for
     inputs the kernel does not take, the modules and :func:`apply_rotary_emb`, as HF does.
-    ``kv_cache = (v, k_cache, v_cache, slot_mapping)`` (see ``Attention.kv_cache_write``) asks
+    ``kv_cache = (v, k_cache, v_cache, slot_mapping)`` (see ``layers.attention.Attention``) asks
     the kernel to also write the rotated k and v into the paged cache.
 
     Returns:

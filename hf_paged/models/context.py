@@ -1,22 +1,5 @@
-"""What a model needs to know about where it runs, passed to every layer's constructor."""
+"""Re-export: ``ModelContext`` lives in ``hf_paged.layers.context`` (below layers and models)."""
 
-from __future__ import annotations
+from hf_paged.layers.context import ModelContext
 
-from dataclasses import dataclass, field
-
-from hf_paged.attention.base import AttentionBackend
-from hf_paged.distributed.communicator import Communicator
-
-
-@dataclass
-class ModelContext:
-    attn_backend: AttentionBackend
-    comm: Communicator = field(default_factory=Communicator)
-
-    @property
-    def tp_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def tp_size(self) -> int:
-        return self.comm.world_size
+__all__ = ["ModelContext"]

@@ -28,12 +28,14 @@ from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
 from hf_paged.layers.activation import SiluAndMul
-from hf_paged.layers.attention import Attention
+from hf_paged.layers.attention import Attention, RopeInputs
+from hf_paged.layers.context import ModelContext
 from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from hf_paged.layers.rotary import RotaryEmbedding, apply_rotary_emb_qk
-from hf_paged.models.context import ModelContext
+from hf_paged.layers.rotary import RotaryEmbedding
+from hf_paged.models import loader
+from hf_paged.models.protocol import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class LlamaAttention(nn.Module):
             scale=head_dim**-0.5,
             sliding_window=opts.sliding_windows[layer_idx],
         )
-        self.attn = Attention(spec, ctx)
+        self.attn = Attention(spec, ctx, layer_idx)
 
     def forward(
         self,
@@ -104,14 +106,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()  # Qwen3: per-head RMSNorm
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        # one launch on CUDA, which also writes k and v into the paged cache when it can
-        write = self.attn.kv_cache_write(v, meta)
-        q, k, stored = apply_rotary_emb_qk(q, k, cos, sin, *norms, kv_cache=write)
-        o = self.attn(q, k, v, meta, kv_stored=stored)  # [T, H * D]
+        rope = RopeInputs(cos, sin)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
+            rope = RopeInputs(cos, sin, self.q_norm, self.k_norm)
+        o = self.attn(q, k, v, meta, rope=rope)  # [T, H * D]
         return self.o_proj(o)
 
 
@@ -188,6 +186,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM for Llama-style checkpoints; subclasses only change ``decoder_options``.
 
+    Implements ``hf_paged.models.protocol.PagedModel``: one uniform ``KVCacheSpec`` per layer,
+    ``load_weights`` through ``models/loader.py``, decode safe in CUDA graphs.
+
     Args:
         hf_config: the HF config (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config).
         ctx: attention backend and tensor-parallel communicator.
@@ -205,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # no host syncs in the decode path (dynamic rope switches with torch.where on the device);
+    # whether the attention backends may be captured is the runner's check (ctx)
+    supports_cuda_graph = True
 
     def __init__(self, hf_config, ctx: ModelContext):
         super().__init__()
@@ -215,6 +219,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        attn = [layer.self_attn for layer in self.model.layers]
+        self.kv_cache_specs = [
+            KVCacheSpec(a.num_kv_heads, a.head_dim, a.head_dim, a.attn.spec.sliding_window)
+            for a in attn
+        ]
 
     @classmethod
     def decoder_options(cls, hf_config) -> DecoderOptions:
@@ -226,6 +235,10 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=False,
             sliding_windows=(None,) * hf_config.num_hidden_layers,
         )
+
+    def load_weights(self, source) -> None:
+        """From a safetensors checkpoint dir or an in-memory HF model (see ``models/loader``)."""
+        loader.load_weights(self, source)
 
     def forward(
         self,

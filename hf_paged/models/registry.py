@@ -1,120 +1,144 @@
-"""Which native model class serves an HF config, and how to build one cheaply."""
+"""Which model path serves an HF config, and how to build it cheaply.
+
+Two paths implement ``hf_paged.models.protocol.PagedModel``: the native decoders (registered
+below by architecture) and the generic path over HF's own modules (``GENERIC``). Registries are
+lazy, ``"Arch": ("module", "Class")`` like the attention registry: a model module is imported
+only when chosen. ``model_impl`` picks the path: "native", "generic", or "auto" (native when the
+architecture has a native class, else generic).
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
-from hf_paged.models.context import ModelContext
-from hf_paged.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from hf_paged.layers.context import ModelContext
+from hf_paged.models.protocol import PagedModel
 
-# config.architectures[0] -> class
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+MODEL_IMPLS = ("auto", "native", "generic")
+
+_LLAMA = "hf_paged.models.llama"
+# config.architectures[0] -> (module, class) of the native implementation
+NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": (_LLAMA, "LlamaForCausalLM"),
+    "MistralForCausalLM": (_LLAMA, "MistralForCausalLM"),
+    "Qwen2ForCausalLM": (_LLAMA, "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": (_LLAMA, "Qwen3ForCausalLM"),
 }
-# config.model_type -> class, used only when the config names no architecture (a config built in
-# code rather than read from a checkpoint)
-_MODEL_TYPES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": MistralForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
+# config.model_type -> architecture, used only when the config names no architecture (a config
+# built in code rather than read from a checkpoint)
+NATIVE_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+# the generic path (any HF decoder through its own modules); its module may not exist yet
+GENERIC: tuple[str, str] = ("hf_paged.models.generic", "GenericForCausalLM")
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    """The architectures with a native implementation."""
+    return sorted(NATIVE_ARCHITECTURES)
 
 
-def get_model_class(hf_config) -> type[nn.Module]:
-    """The class for ``hf_config.architectures[0]``, or for ``model_type`` if none is named.
+def _load(entry: tuple[str, str]) -> type:
+    module, cls = entry
+    return getattr(importlib.import_module(module), cls)
 
-    Raises:
-        ValueError: the architecture (or model type) is not supported; lists the supported ones.
-    """
+
+def _native_name(hf_config) -> tuple[str | None, str]:
+    """(native architecture or None, how the config names its model for error messages)."""
     archs = getattr(hf_config, "architectures", None) or []
     if archs:
-        if archs[0] in _ARCHITECTURES:
-            return _ARCHITECTURES[archs[0]]
-        what = f"architecture {archs[0]!r}"
-    else:
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type in _MODEL_TYPES:
-            return _MODEL_TYPES[model_type]
-        what = f"model_type {model_type!r} (no architectures in config)"
-    raise ValueError(
-        f"{what} is not supported by hf_paged: supported architectures are "
-        f"{', '.join(supported_architectures())}"
-    )
+        return (archs[0] if archs[0] in NATIVE_ARCHITECTURES else None), f"architecture {archs[0]!r}"
+    model_type = getattr(hf_config, "model_type", None)
+    what = f"model_type {model_type!r} (no architectures in config)"
+    return NATIVE_MODEL_TYPES.get(model_type), what
 
 
-def is_supported(hf_config) -> bool:
-    """True when ``get_model_class`` would return a class (a native implementation exists)."""
+def get_model_class(hf_config) -> type:
+    """The native class for ``hf_config.architectures[0]``, or for ``model_type`` if none is
+    named.
+
+    Raises:
+        ValueError: no native implementation; lists the supported architectures.
+    """
+    arch, what = _native_name(hf_config)
+    if arch is None:
+        raise ValueError(
+            f"{what} is not supported by hf_paged: supported architectures are "
+            f"{', '.join(supported_architectures())}"
+        )
+    return _load(NATIVE_ARCHITECTURES[arch])
+
+
+def _generic_class(why: str) -> type:
     try:
-        get_model_class(hf_config)
+        return _load(GENERIC)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"model_impl='generic' is not available ({why}): {GENERIC[0]}.{GENERIC[1]} cannot "
+            f"be imported ({exc}); use model_impl='native' with one of "
+            f"{', '.join(supported_architectures())}"
+        ) from exc
+
+
+def resolve_model_class(hf_config, model_impl: str = "auto") -> type:
+    """The class of the model path ``model_impl`` picks for ``hf_config``.
+
+    Raises:
+        ValueError: ``model_impl`` not one of ``MODEL_IMPLS``; "native" for an architecture
+            without a native class; "generic" (or "auto" without a native class) while the
+            generic path is not available. Each message names the reason.
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(
+            f"model_impl={model_impl!r} is not allowed: model_impl must be one of "
+            f"{list(MODEL_IMPLS)}"
+        )
+    if model_impl == "generic":
+        return _generic_class("model_impl='generic' was asked for")
+    arch, what = _native_name(hf_config)
+    if arch is not None or model_impl == "native":
+        return get_model_class(hf_config)
+    return _generic_class(f"{what} has no native implementation, so model_impl='auto' needs it")
+
+
+def is_supported(hf_config, model_impl: str = "auto") -> bool:
+    """True when ``resolve_model_class`` would return a class."""
+    try:
+        resolve_model_class(hf_config, model_impl)
     except ValueError:
         return False
     return True
 
 
-MODEL_IMPLS = ("auto", "native", "generic")
-
-
-def resolve_model_impl(hf_config, model_impl: str = "auto") -> str:
-    """The path that serves ``hf_config``: "native" or "generic".
-
-    "auto" is native where hf_paged has a class for the architecture, else generic.
-
-    Raises:
-        ValueError: an unknown ``model_impl``; "native" for an architecture without a native
-            class; or a reason the generic path refuses the model (before building it).
-    """
-    if model_impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl={model_impl!r} is not allowed: must be one of {MODEL_IMPLS}")
-    if model_impl == "native" or (model_impl == "auto" and is_supported(hf_config)):
-        get_model_class(hf_config)  # raises for non-native architectures
-        return "native"
-    from hf_paged.models.generic.support import check_supported
-
-    check_supported(hf_config)
-    return "generic"
-
-
 def unsupported_reason(hf_config, model_impl: str = "auto") -> str | None:
-    """Why neither path (as ``model_impl`` selects) can serve ``hf_config``, or None. Cheap:
-    builds nothing (the generic path's profile pass may still refuse a model later)."""
+    """Why the path ``model_impl`` picks cannot serve ``hf_config``, or None. Cheap: builds
+    nothing (the generic path's profile pass may still refuse a model when it is built)."""
     try:
-        resolve_model_impl(hf_config, model_impl)
+        cls = resolve_model_class(hf_config, model_impl)
     except ValueError as e:
         return str(e)
-    return None
+    check = getattr(cls, "unsupported_reason", None)
+    return check(hf_config) if check is not None else None
 
 
-def model_class_reason(cls: type, hf_config, model_impl: str = "auto") -> str | None:
-    """Why an in-memory model of class ``cls`` cannot be served, or None: the path serving its
-    config must build exactly that class."""
+def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> str | None:
+    """Why an in-memory model of class ``model_cls`` cannot be served, or None: the chosen path
+    must serve its config and stand for exactly that class."""
     why = unsupported_reason(hf_config, model_impl)
     if why is not None:
         return why
-    if resolve_model_impl(hf_config, model_impl) == "native":
-        built = get_model_class(hf_config).__name__
-    else:
-        from hf_paged.models.generic.support import resolve_hf_class
-
-        built = resolve_hf_class(hf_config).__name__
-    if cls.__name__ != built:
-        return f"{cls.__name__} is not the causal LM the engine builds for its config ({built})"
+    cls = resolve_model_class(hf_config, model_impl)
+    hf_class = getattr(cls, "hf_class", None)  # the generic path: the HF class it builds
+    built = hf_class(hf_config).__name__ if hf_class is not None else cls.__name__
+    if model_cls.__name__ != built:
+        return f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})"
     return None
 
 
@@ -135,18 +159,30 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     model_impl: str = "auto",
-) -> nn.Module:
-    """Build the model ``model_impl`` selects (see ``resolve_model_impl``).
+) -> PagedModel:
+    """Build the model path ``model_impl`` picks, with uninitialised ``dtype`` parameters on
+    ``device``; load weights next with ``model.load_weights(source)``.
 
-    Native: uninitialised ``dtype`` parameters allocated on ``device``; load weights next with
-    ``hf_paged.models.loader.load_weights``. Generic: ``GenericForCausalLM`` (parameters on meta
-    until its ``load_weights``). Global torch state (default dtype and device) is left as it was.
+    A class is built as ``cls(hf_config, ctx)`` under ``torch.device(device)`` and the default
+    dtype ``dtype``, unless it has a classmethod ``build(hf_config, ctx, dtype, device)`` (a
+    path that builds on the meta device itself). Global torch state is left as it was.
+
+    Raises:
+        ValueError: see ``resolve_model_class``; and whatever the class raises for a config
+            it cannot run.
+        TypeError: the built object does not implement ``PagedModel`` (names what is missing).
     """
-    if resolve_model_impl(hf_config, model_impl) == "generic":
-        from hf_paged.models.generic import GenericForCausalLM
-
-        return GenericForCausalLM(hf_config, ctx, dtype, torch.device(device))
-    cls = get_model_class(hf_config)
-    with torch.device(device), default_dtype(dtype):
-        model = cls(hf_config, ctx)
+    cls = resolve_model_class(hf_config, model_impl)
+    if hasattr(cls, "build"):
+        model = cls.build(hf_config, ctx, dtype, torch.device(device))
+    else:
+        with torch.device(device), default_dtype(dtype):
+            model = cls(hf_config, ctx)
+    if not isinstance(model, PagedModel):
+        missing = [
+            n
+            for n in ("kv_cache_specs", "supports_cuda_graph", "load_weights", "compute_logits")
+            if not hasattr(model, n)
+        ]
+        raise TypeError(f"{cls.__name__} does not implement PagedModel: missing {missing}")
     return model.eval()

@@ -116,7 +116,7 @@ def test_profile_records_per_layer_specs():
     """Gemma2: sliding and full layers, softcap 50, query_pre_attn_scalar scale; DeepSeek MLA:
     V head dim differs from K's."""
     from hf_paged.attention import get_backend
-    from hf_paged.models.context import ModelContext
+    from hf_paged.layers.context import ModelContext
     from hf_paged.models.registry import build_model
 
     ctx = ModelContext(get_backend("torch"))
@@ -140,11 +140,13 @@ def test_profile_records_per_layer_specs():
 
 
 def test_native_impl_refuses_other_architectures():
-    config, _ = build_tiny("gemma2")
-    from hf_paged.models.registry import resolve_model_impl
+    from hf_paged.models.generic import GenericForCausalLM
+    from hf_paged.models.registry import resolve_model_class, unsupported_reason
 
-    assert resolve_model_impl(config, "auto") == "generic"
+    config, _ = build_tiny("gemma2")
+    assert resolve_model_class(config, "auto") is GenericForCausalLM
+    assert unsupported_reason(config) is None
     with pytest.raises(ValueError, match="not supported by hf_paged"):
-        resolve_model_impl(config, "native")
+        resolve_model_class(config, "native")
     with pytest.raises(ValueError, match="model_impl='x' is not allowed"):
-        resolve_model_impl(config, "x")
+        resolve_model_class(config, "x")

@@ -16,14 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from hf_paged.attention.torch_ref import TorchRefBackend
 from hf_paged.layers.attention import Attention
-from hf_paged.models.context import ModelContext
+from hf_paged.layers.context import ModelContext
 from hf_paged.models.loader import load_weights
 from hf_paged.models.registry import build_model, get_model_class, is_supported
 from tests.helpers import (
     FAMILIES,
     ThreadGroup,
-    attach_kv_caches,
     build_hf_model,
+    make_kv_cache,
     run_ranks,
     run_step,
     tiny_config,
@@ -89,18 +89,17 @@ def _hf_logits(hf, seq: list[int]) -> torch.Tensor:  # [len, vocab]
 def _native(hf_config, source, dtype=torch.float32):
     model = build_model(hf_config, _ctx(), dtype=dtype)
     load_weights(model, source)
-    attach_kv_caches(model, len(PROMPT_LENS) * MAX_BLOCKS, BLOCK_SIZE)
-    return model
+    return model, make_kv_cache(model, len(PROMPT_LENS) * MAX_BLOCKS, BLOCK_SIZE)
 
 
-def _check_prefill_and_decode(model, hf) -> None:
+def _check_prefill_and_decode(model, kv, hf) -> None:
     seqs = _prompts()
-    outs = run_step(model, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
+    outs = run_step(model, kv, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
     for seq, out in zip(seqs, outs, strict=True):
         torch.testing.assert_close(out, _hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
     # decode: one more token per sequence, attending to the cached prompt
     seqs = [s + [int(o[-1].argmax())] for s, o in zip(seqs, outs, strict=True)]
-    outs = run_step(model, seqs, [1] * len(seqs), BLOCK_SIZE, MAX_BLOCKS)
+    outs = run_step(model, kv, seqs, [1] * len(seqs), BLOCK_SIZE, MAX_BLOCKS)
     for seq, out in zip(seqs, outs, strict=True):
         torch.testing.assert_close(out[0], _hf_logits(hf, seq)[-1], atol=1e-4, rtol=1e-4)
 
@@ -110,9 +109,9 @@ def test_safetensors_prefill_and_decode_match_hf(variant, tmp_path):
     family, overrides = VARIANTS[variant]
     hf = build_hf_model(family, seed=0, **overrides)
     hf.save_pretrained(tmp_path)
-    model = _native(hf.config, tmp_path)
+    model, kv = _native(hf.config, tmp_path)
     assert type(model).__name__ == hf.config.architectures[0]
-    _check_prefill_and_decode(model, hf)
+    _check_prefill_and_decode(model, kv, hf)
 
 
 def test_sliding_window_changes_hf_logits():
@@ -127,11 +126,11 @@ def test_sliding_window_changes_hf_logits():
 def test_chunked_prefill_matches_hf(family, tmp_path):
     hf = build_hf_model(family)
     hf.save_pretrained(tmp_path)
-    model = _native(hf.config, tmp_path)
+    model, kv = _native(hf.config, tmp_path)
     seq = _prompts((33,))[0]
     ref = _hf_logits(hf, seq)
-    (first,) = run_step(model, [seq[:20]], [20], BLOCK_SIZE, MAX_BLOCKS)
-    (second,) = run_step(model, [seq], [13], BLOCK_SIZE, MAX_BLOCKS)
+    (first,) = run_step(model, kv, [seq[:20]], [20], BLOCK_SIZE, MAX_BLOCKS)
+    (second,) = run_step(model, kv, [seq], [13], BLOCK_SIZE, MAX_BLOCKS)
     torch.testing.assert_close(torch.cat([first, second]), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -144,8 +143,8 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     seqs = _prompts()
     outs = {}
     for name in ("single", "sharded"):
-        model = _native(hf.config, tmp_path / name)
-        outs[name] = run_step(model, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
+        model, kv = _native(hf.config, tmp_path / name)
+        outs[name] = run_step(model, kv, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
     for a, b in zip(outs["single"], outs["sharded"], strict=True):
         assert torch.equal(a, b)
 
@@ -153,7 +152,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_in_memory_load_shares_storage(family):
     hf = build_hf_model(family)
-    model = _native(hf.config, hf)
+    model, kv = _native(hf.config, hf)
     ours, theirs = model.model.layers[1], hf.model.layers[1]
     for a, b in [
         (ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
@@ -170,7 +169,7 @@ def test_in_memory_load_shares_storage(family):
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     # fused projections are copies
     assert ours.self_attn.qkv_proj.weight.data_ptr() != theirs.self_attn.q_proj.weight.data_ptr()
-    _check_prefill_and_decode(model, hf)
+    _check_prefill_and_decode(model, kv, hf)
 
 
 def test_in_memory_load_converts_dtype_without_sharing():
@@ -202,15 +201,15 @@ def test_dynamic_ntk_rope_matches_hf_incremental_decode(tmp_path):
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     hf = build_hf_model("llama", rope_parameters=rope, max_position_embeddings=16)
     hf.save_pretrained(tmp_path)
-    model = _native(hf.config, tmp_path)
+    model, kv = _native(hf.config, tmp_path)
     seq = _prompts((33,))[0]
     with torch.no_grad():
         out = hf(torch.tensor([seq]), use_cache=True)
         nxt = int(out.logits[0, -1].argmax())
         step = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-    (prefill,) = run_step(model, [seq], [33], BLOCK_SIZE, MAX_BLOCKS)
+    (prefill,) = run_step(model, kv, [seq], [33], BLOCK_SIZE, MAX_BLOCKS)
     torch.testing.assert_close(prefill, out.logits[0], atol=1e-4, rtol=1e-4)
-    (decode,) = run_step(model, [seq + [nxt]], [1], BLOCK_SIZE, MAX_BLOCKS)
+    (decode,) = run_step(model, kv, [seq + [nxt]], [1], BLOCK_SIZE, MAX_BLOCKS)
     torch.testing.assert_close(decode[0], step.logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
@@ -368,8 +367,8 @@ def test_tensor_parallel_ranks_in_threads_match_hf(family, overrides, tp, tmp_pa
         attn = model.model.layers[0].self_attn
         assert attn.num_heads == hf.config.num_attention_heads // tp
         assert attn.num_kv_heads == max(1, hf.config.num_key_value_heads // tp)
-        attach_kv_caches(model, len(seqs) * MAX_BLOCKS, BLOCK_SIZE)
-        prefill = run_step(model, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
+        kv = make_kv_cache(model, len(seqs) * MAX_BLOCKS, BLOCK_SIZE)
+        prefill = run_step(model, kv, seqs, [len(s) for s in seqs], BLOCK_SIZE, MAX_BLOCKS)
         return prefill if rank == 0 else prefill == [None] * len(seqs)
 
     results = run_ranks(rank_main, tp)

@@ -53,14 +53,14 @@ def test_warmup_step_gives_the_models_logits(model_path):
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with LLM(model_path, max_model_len=64, max_num_batched_tokens=160, kv_block_size=8) as llm:
         runner = llm.engine.executor.runner
-        saved = [(layer.k_cache, layer.v_cache) for layer in runner.attn_layers]
+        served = runner.kv_cache
         try:
             ids, positions, meta, idx = runner._warmup_inputs()
             logits = runner._warmup_forward(ids, positions, meta, idx)
-            written = runner.attn_layers[0].k_cache.abs().sum().item()
+            assert meta.kv_cache is runner.kv_cache and meta.kv_cache is not served
+            written = sum(meta.kv_cache[i][0].abs().sum().item() for i in range(len(served)))
         finally:
-            for layer, (k, v) in zip(runner.attn_layers, saved):
-                layer.k_cache, layer.v_cache = k, v
+            runner.kv_cache = served
     # min(max_model_len, budget) = 64-token prompts of token 0, budget // 64 = 2 of them
     assert tuple(logits.shape) == (2, hf.config.vocab_size) and meta.num_seqs == 2
     assert written > 0  # the temporary cache was written, as in a served step

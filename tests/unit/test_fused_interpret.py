@@ -209,10 +209,10 @@ def case_model(family, fused_store=False):
 
     from hf_paged.attention.torch_ref import TorchRefBackend
     from hf_paged.kernels import fused_act, fused_norm, fused_rope
-    from hf_paged.models.context import ModelContext
+    from hf_paged.layers.context import ModelContext
     from hf_paged.models.loader import load_weights
     from hf_paged.models.registry import build_model
-    from tests.helpers import attach_kv_caches, build_hf_model, run_step
+    from tests.helpers import build_hf_model, make_kv_cache, run_step
 
     class StoredKVRef(TorchRefBackend):
         accepts_stored_kv = True
@@ -224,9 +224,9 @@ def case_model(family, fused_store=False):
     seqs = [[5, 9, 33, 7, 100, 2, 8], [40, 41, 3]]
 
     def logits():
-        attach_kv_caches(model, 8, 4)
-        prefill = run_step(model, seqs, [len(s) for s in seqs], 4, 4)
-        decode = run_step(model, [s + [1] for s in seqs], [1, 1], 4, 4)
+        kv = make_kv_cache(model, 8, 4)
+        prefill = run_step(model, kv, seqs, [len(s) for s in seqs], 4, 4)
+        decode = run_step(model, kv, [s + [1] for s in seqs], [1, 1], 4, 4)
         return torch.cat(prefill + decode)
 
     ref = logits()

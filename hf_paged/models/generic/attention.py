@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from hf_paged.attention.base import AttentionMetadata
+from hf_paged.layers.attention import Attention
 
 ATTN_IMPL = "hf_paged"  # the name registered with transformers' AttentionInterface
 BINDING_ATTR = "_hf_paged_layer"  # attribute set on each HF attention module after profiling
@@ -32,17 +33,16 @@ _ACTIVE: contextvars.ContextVar[StepState | None] = contextvars.ContextVar(
 
 @dataclass(frozen=True)
 class LayerBinding:
-    """What one HF attention module needs at a step: its KV layer index and static facts."""
+    """What one HF attention module runs at a step: hf_paged's paged attention layer for its
+    KV layer index (``attn.layer_idx``), which picks the backend that can compute its spec."""
 
-    kv_index: int
-    spec: AttentionLayerSpec
+    attn: Attention
 
 
 class StepState:
     """One generic model's per-forward state: the step's metadata, or a profile recorder."""
 
-    def __init__(self, backend: AttentionBackend):
-        self.backend = backend
+    def __init__(self):
         self.meta: AttentionMetadata | None = None
         self.recorder = None  # profile.Recorder while the profile pass runs
 
@@ -82,15 +82,11 @@ def paged_attention_forward(
     binding: LayerBinding | None = module.__dict__.get(BINDING_ATTR)
     if binding is None:
         raise RuntimeError(f"{type(module).__name__} was not seen by the profile pass")
-    meta = state.meta
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
-    if not state.backend.name == "torch":
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    k_cache, v_cache = meta.kv_cache[binding.kv_index]
-    out = state.backend.forward(q, k, v, k_cache, v_cache, meta, binding.spec)  # [T, H, Dv]
-    return out.unsqueeze(0), None
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, Dv]
+    out = binding.attn(q, k, v, state.meta)  # [T, H * Dv]; rope was applied by the HF module
+    return out.view(1, q.shape[0], q.shape[1], -1), None
 
 
 def register() -> None:

@@ -18,11 +18,17 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionMetadata
-from hf_paged.models.context import ModelContext
+from hf_paged.layers.attention import Attention
+from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
-from hf_paged.models.generic.support import UnsupportedModelError, check_supported
+from hf_paged.models.generic.support import (
+    UnsupportedModelError,
+    check_supported,
+    resolve_hf_class,
+    static_reason,
+)
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
 from hf_paged.models.protocol import KVCacheSpec
 
@@ -52,21 +58,31 @@ class GenericForCausalLM(nn.Module):
         self.dtype = dtype
         self.hf_model = build_on_meta(hf_config, dtype, self.device)
         self.backbone = backbone_of(self.hf_model)
-        self.state = StepState(ctx.attn_backend)
+        self.state = StepState()
         self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
         self._head_output_cls = None  # the backbone's output class, seen in the profile pass
         self._install_head_switch()
-        self._specs: list[KVCacheSpec] | None = None
+        self.kv_cache_specs: list[KVCacheSpec] | None = None  # set by the profile pass
+        self.layer_specs: list = []
         self.supports_cuda_graph = True
         self.cuda_graph_reason: str | None = None
 
-    # ---- protocol ---------------------------------------------------------------------------
+    @classmethod
+    def build(cls, hf_config, ctx: ModelContext, dtype: torch.dtype, device) -> GenericForCausalLM:
+        """What ``registry.build_model`` calls (the model builds on meta itself)."""
+        return cls(hf_config, ctx, dtype, device)
 
-    @property
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        if self._specs is None:
-            raise RuntimeError("kv_cache_specs are known after load_weights (the profile pass)")
-        return self._specs
+    @staticmethod
+    def unsupported_reason(hf_config) -> str | None:
+        """Why the generic path refuses ``hf_config`` before building it, or None."""
+        return static_reason(hf_config)
+
+    @staticmethod
+    def hf_class(hf_config) -> type:
+        """The transformers class built for ``hf_config``."""
+        return resolve_hf_class(hf_config)
+
+    # ---- protocol ---------------------------------------------------------------------------
 
     def load_weights(self, source) -> None:
         """Weights from a checkpoint directory or an in-memory HF model, then the profile pass.
@@ -149,9 +165,13 @@ class GenericForCausalLM(nn.Module):
         records = recorder.result()
         self._check_head(hidden, full.logits[0])
         modules = dict(self.hf_model.named_modules())
-        for i, rec in enumerate(records):
-            modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(i, rec.spec)
-        self._specs = [profile.kv_cache_spec(r.spec) for r in records]
+        from hf_paged.models.registry import default_dtype
+
+        with default_dtype(self.dtype):  # the backend choice reads the model dtype from it
+            for i, rec in enumerate(records):
+                attn = Attention(rec.spec, self.ctx, i)
+                modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(attn)
+        self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
         self.layer_specs = [r.spec for r in records]
 
     def _check_head(self, hidden: torch.Tensor, full_logits: torch.Tensor) -> None:

@@ -1,0 +1,64 @@
+"""The toy PagedModel (tests/model/toy_model.py) on the Triton backend under Triton's CPU
+interpreter: layer 0 runs the Triton kernels (store, paged prefill, paged decode) on its slice of
+the runner-style ``KVCache``; layer 1 (softcap, V head dim != K head dim) is reported by
+``TritonBackend.problem`` and gets the torch reference. Logits match the dense oracle.
+
+Run as a script by the test (``TRITON_INTERPRET=1`` must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
+
+
+def case_toy_mixed_backends() -> float:
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig
+
+    from hf_paged.attention.triton_backend import TritonBackend
+    from hf_paged.layers.context import ModelContext
+    from tests.helpers import make_kv_cache, run_step
+    from tests.model.toy_model import ToyPagedForCausalLM, save_toy_model
+
+    with tempfile.TemporaryDirectory() as path:
+        ref = save_toy_model(path)
+        ctx = ModelContext(TritonBackend(), kv_block_size=8)
+        model = ToyPagedForCausalLM(AutoConfig.from_pretrained(path), ctx).eval()
+        model.load_weights(path)
+    names = [layer.attn.backend.name for layer in model.layers]
+    assert names == ["triton", "torch"], names
+    assert list(ctx.fallbacks) == [1], ctx.fallbacks
+    seqs = [[5, 9, 33, 7, 60, 2, 8, 11, 40, 3], [40, 41, 3, 17, 22, 9]]
+    kv = make_kv_cache(model, 8, 8)
+    first = run_step(model, kv, [s[:-4] for s in seqs], [len(s) - 4 for s in seqs], 8, 4)
+    second = run_step(model, kv, [s[:-1] for s in seqs], [3, 3], 8, 4)  # over a cached prefix
+    decode = run_step(model, kv, seqs, [1, 1], 8, 4)
+    err = 0.0
+    for i, s in enumerate(seqs):
+        got = torch.cat([first[i], second[i], decode[i]])
+        want = ref.dense_logits(s)
+        err = max(err, float((got - want).abs().max() / want.abs().max()))
+    return err
+
+
+CASES = {"toy_mixed_backends": (case_toy_mixed_backends, ())}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    return run_interpreter_cases(__file__, timeout=300)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_protocol_case(interpreter_results, case):
+    result = interpreter_results[case]
+    assert isinstance(result, float), result
+    assert result < 1e-4
+
+
+if __name__ == "__main__":
+    interpret_main(CASES)
