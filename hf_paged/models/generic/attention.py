@@ -22,6 +22,7 @@ import torch
 
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.layers.attention import Attention
+from hf_paged.models.generic.sinks import sink_attention
 
 ATTN_IMPL = "hf_paged"  # the name registered with transformers' AttentionInterface
 BINDING_ATTR = "_hf_paged_layer"  # attribute set on each HF attention module after profiling
@@ -37,6 +38,7 @@ class LayerBinding:
     KV layer index (``attn.layer_idx``), which picks the backend that can compute its spec."""
 
     attn: Attention
+    sinks: bool = False  # attention sinks: computed by ``sinks.sink_attention``
 
 
 class StepState:
@@ -85,7 +87,11 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, Dv]
-    out = binding.attn(q, k, v, state.meta)  # [T, H * Dv]; rope was applied by the HF module
+    if binding.sinks:
+        a = binding.attn
+        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, a.layer_idx, a.spec)
+    else:
+        out = binding.attn(q, k, v, state.meta)  # [T, H * Dv]; the HF module applied rope
     return out.view(1, q.shape[0], q.shape[1], -1), None
 
 

@@ -63,9 +63,12 @@ def meta_tensor_attributes(model: nn.Module) -> list[str]:
 def backbone_of(model: nn.Module) -> nn.Module:
     """The decoder stack the causal LM's forward calls: ``get_decoder()`` (OPT's
     ``model.decoder``, Llama's ``model``...), else the base model."""
+    from transformers import PreTrainedModel
+
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
-    if isinstance(decoder, nn.Module) and decoder is not model:
+    # a PreTrainedModel only: BERT-style heads name their output projection ``decoder``
+    if isinstance(decoder, PreTrainedModel) and decoder is not model:
         return decoder
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:

@@ -32,8 +32,6 @@ from hf_paged.models.generic.support import (
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
 from hf_paged.models.protocol import KVCacheSpec
 
-_PROFILE_TOKENS = 7
-
 
 class GenericForCausalLM(nn.Module):
     """An HF causal LM (any decoder whose attention goes through ``AttentionInterface``) on the
@@ -56,7 +54,12 @@ class GenericForCausalLM(nn.Module):
         self.ctx = ctx
         self.device = torch.device(device)
         self.dtype = dtype
-        self.hf_model = build_on_meta(hf_config, dtype, self.device)
+        try:
+            self.hf_model = build_on_meta(hf_config, dtype, self.device)
+        except Exception as e:  # noqa: BLE001  e.g. init code that needs real tensors
+            raise UnsupportedModelError(
+                f"building on the meta device failed: {type(e).__name__}: {e}"
+            ) from e
         self.backbone = backbone_of(self.hf_model)
         self.state = StepState()
         self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
@@ -145,42 +148,17 @@ class GenericForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _profile(self) -> None:
-        names = {id(m): n for n, m in self.hf_model.named_modules()}
-        recorder = profile.Recorder(names)
-        g = torch.Generator().manual_seed(0)
-        vocab = self.hf_model.config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (_PROFILE_TOKENS,), generator=g).to(self.device)
-        pos = torch.arange(_PROFILE_TOKENS, device=self.device)
-        try:
-            with self.state.active(recorder=recorder):
-                hidden = self._backbone(ids, pos)
-            with self.state.active(recorder=profile.Recorder(names)):
-                full = self.hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
-        except UnsupportedModelError:
-            raise
-        except Exception as e:  # noqa: BLE001  a model the flattened call cannot run
-            raise UnsupportedModelError(
-                f"the flattened forward failed: {type(e).__name__}: {e}"
-            ) from e
-        records = recorder.result()
-        self._check_head(hidden, full.logits[0])
-        modules = dict(self.hf_model.named_modules())
+        """Profile pass (``profile.py``), then one hf_paged ``Attention`` per attention module."""
         from hf_paged.models.registry import default_dtype
 
+        records = profile.profile_pass(self)
+        modules = dict(self.hf_model.named_modules())
         with default_dtype(self.dtype):  # the backend choice reads the model dtype from it
             for i, rec in enumerate(records):
                 attn = Attention(rec.spec, self.ctx, i)
-                modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(attn)
+                modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(attn, rec.sinks)
+        if any(r.sinks for r in records):
+            self.supports_cuda_graph = False
+            self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"
         self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
         self.layer_specs = [r.spec for r in records]
-
-    def _check_head(self, hidden: torch.Tensor, full_logits: torch.Tensor) -> None:
-        """``compute_logits`` on the backbone's rows must give the HF forward's logits."""
-        try:
-            split = self.compute_logits(hidden)
-        except Exception as e:  # noqa: BLE001
-            raise UnsupportedModelError(
-                f"the causal LM's head does not run apart from its backbone: {type(e).__name__}: {e}"
-            ) from e
-        if not torch.allclose(split.float(), full_logits.float(), rtol=1e-3, atol=1e-3):
-            raise UnsupportedModelError("the causal LM's head does not split from its backbone")

@@ -57,8 +57,6 @@ def static_reason(hf_config) -> str | None:
     name = cls.__name__
     if getattr(hf_config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder"
-    if not getattr(cls, "_supports_attention_backend", False):
-        return f"{name} does not route attention through transformers' AttentionInterface"
     if getattr(hf_config, "quantization_config", None) is not None:
         method = _quant_method(hf_config.quantization_config)
         return f"{name} has a quantization_config ({method}) the engine does not implement"
