@@ -80,7 +80,12 @@ _SMALL = {
 # keys whose None default means "off" (no window, no low-rank q, full rotary...): kept None
 _KEEP_NONE = {"sliding_window", "q_lora_rank", "rotary_dim", "partial_rotary_factor"}
 # per model_type extra overrides (applied after _SMALL)
-_EXTRA: dict[str, dict] = {}
+_EXTRA: dict[str, dict] = {
+    "xmod": {"default_language": "en_XX"},
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    "gemma4_unified_assistant": {"hidden_size_per_layer_input": 0},
+}
 
 
 @dataclass
@@ -116,6 +121,18 @@ def _layer_list(value, n: int):
     return (distinct * n)[:n]
 
 
+def _shrink_per_layer(d: dict, layer_types) -> dict:
+    """Gemma4-style ``per_layer_config`` ({"05": {...}}): the first entry moved to a kept layer
+    of the same type, its sizes shrunk (head dims to twice the shrunk head_dim)."""
+    key, entry = next(iter(d["per_layer_config"].items()))
+    kind = layer_types[int(key)] if layer_types else None
+    kept = d.get("layer_types") or []
+    idx = kept.index(kind) if kind in kept else len(kept) - 1
+    small = {k: (2 * _SMALL["head_dim"] if "head_dim" in k else _SMALL.get(k, v))
+             for k, v in entry.items()}  # fmt: skip
+    return {f"{max(idx, 0):02d}": small}
+
+
 def shrink_config(config):
     """A tiny copy of ``config`` (see ``_SMALL``); per-layer lists cut to two layers."""
     d = config.to_dict()
@@ -137,6 +154,8 @@ def shrink_config(config):
     for k, v in list(d.items()):
         if isinstance(v, list) and n_orig and len(v) == n_orig and n_orig > 2:
             d[k] = _layer_list(v, 2)
+    if isinstance(d.get("per_layer_config"), dict) and d["per_layer_config"]:
+        d["per_layer_config"] = _shrink_per_layer(d, getattr(config, "layer_types", None))
     d.pop("transformers_version", None)
     d.pop("architectures", None)
     return type(config)(**{k: v for k, v in d.items() if k != "model_type"})
@@ -201,7 +220,7 @@ def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> Arch
         res.seconds = time.perf_counter() - t0
         return res
     _reset_fallback_warnings()
-    cfg = dict(kv_block_size=BLOCK_SIZE, model_impl=model_impl, max_model_len=64)
+    cfg = dict(kv_block_size=BLOCK_SIZE, model_impl=model_impl, max_model_len=64, num_kv_blocks=64)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
@@ -209,6 +228,8 @@ def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> Arch
         fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
             res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
+        elif not _engine_ran(model):
+            res.status, res.detail = "failure", "no fallback warning, but no engine was built"
         elif torch.equal(out, ref):
             res.status, res.detail = "served", "identical"
         else:
@@ -219,6 +240,13 @@ def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> Arch
         release(model)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _engine_ran(model) -> bool:
+    from hf_paged.integration.dispatch import _SLOT_ATTR
+
+    slot = model.__dict__.get(_SLOT_ATTR)
+    return slot is not None and slot.engine is not None
 
 
 def _short(e, n: int = 160) -> str:
