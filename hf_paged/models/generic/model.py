@@ -29,6 +29,7 @@ from hf_paged.models.generic.support import (
     resolve_hf_class,
     static_reason,
 )
+from hf_paged.models.generic.tp import apply_tp_plan
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
 from hf_paged.models.protocol import KVCacheSpec
 
@@ -49,8 +50,6 @@ class GenericForCausalLM(nn.Module):
     def __init__(self, hf_config, ctx: ModelContext, dtype: torch.dtype, device):
         super().__init__()
         check_supported(hf_config)
-        if ctx.tp_size > 1:
-            raise UnsupportedModelError("tensor parallelism is not implemented on the generic path")
         self.ctx = ctx
         self.device = torch.device(device)
         self.dtype = dtype
@@ -60,6 +59,8 @@ class GenericForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"building on the meta device failed: {type(e).__name__}: {e}"
             ) from e
+        # rank's part of each sharded parameter (empty at tp 1); the collectives are installed
+        self.shard_rules = apply_tp_plan(self.hf_model, ctx.comm) if ctx.tp_size > 1 else {}
         self.backbone = backbone_of(self.hf_model)
         self.state = StepState()
         self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
@@ -95,9 +96,9 @@ class GenericForCausalLM(nn.Module):
             ValueError / FileNotFoundError: the weights do not match or are not there.
         """
         if isinstance(source, nn.Module):
-            load_from_module(self.hf_model, source, self.device)
+            load_from_module(self.hf_model, source, self.device, self.shard_rules)
         elif isinstance(source, (str, os.PathLike)):
-            load_from_checkpoint(self.hf_model, source, self.device, self.dtype)
+            load_from_checkpoint(self.hf_model, source, self.device, self.dtype, self.shard_rules)
         else:
             raise TypeError(f"source={type(source).__name__} is not a directory or an nn.Module")
         left = meta_tensor_attributes(self.hf_model)
@@ -115,7 +116,13 @@ class GenericForCausalLM(nn.Module):
             return self._backbone(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] through the HF model's own head code."""
+        """[N, hidden] -> [N, vocab] through the HF model's own head code (on rank 0; None on
+        the other ranks)."""
+        logits = self.head_logits(hidden)
+        return logits if self.ctx.tp_rank == 0 else None
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` on every rank (the head is replicated)."""
         self._head_hidden = hidden.unsqueeze(0)
         try:
             dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)

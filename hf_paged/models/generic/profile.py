@@ -219,7 +219,7 @@ def _check_flattening(flat: torch.Tensor, alone: list[torch.Tensor]) -> None:
 
 def _check_head(model, hidden: torch.Tensor, full_logits: torch.Tensor) -> None:
     try:
-        split = model.compute_logits(hidden)
+        split = model.head_logits(hidden)
     except Exception as e:  # noqa: BLE001
         raise UnsupportedModelError(
             f"the causal LM's head does not run apart from its backbone: {type(e).__name__}: {e}"

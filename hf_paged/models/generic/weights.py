@@ -21,7 +21,7 @@ from torch import nn
 from hf_paged.models.loader import safetensors_files
 
 
-def load_from_module(model: nn.Module, source: nn.Module, device: torch.device) -> None:
+def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, rules=None) -> None:
     """Fill ``model``'s parameters and persistent/non-persistent buffers from ``source``.
 
     Raises:
@@ -38,6 +38,9 @@ def load_from_module(model: nn.Module, source: nn.Module, device: torch.device) 
                 missing.append(names[0])
                 continue
             param = model.get_parameter(names[0])
+            rule = (rules or {}).get(names[0])
+            if rule is not None:  # this rank's part (a copy)
+                src = rule.apply(src.detach())
             set_parameter(model, names, _adopt(names[0], src, param, device))
         for name, buf in model.named_buffers():
             src = src_buffers.get(name)
@@ -73,7 +76,9 @@ def _adopt(name: str, src: torch.Tensor, param: torch.Tensor, device) -> torch.T
     return src.detach().to(device)
 
 
-def load_from_checkpoint(model: nn.Module, path: str | os.PathLike, device, dtype) -> None:
+def load_from_checkpoint(
+    model: nn.Module, path: str | os.PathLike, device, dtype, rules=None
+) -> None:
     """Fill ``model`` from a safetensors checkpoint directory (see the module docstring).
 
     Raises:
@@ -83,7 +88,7 @@ def load_from_checkpoint(model: nn.Module, path: str | os.PathLike, device, dtyp
     files = safetensors_files(path)
     plan = _rename_plan(model, files)
     if plan is None:  # needs transformers' merging converters
-        _load_via_transformers(model, path, device, dtype)
+        _load_via_transformers(model, path, device, dtype, rules)
         return
     from safetensors import safe_open
 
@@ -98,6 +103,9 @@ def load_from_checkpoint(model: nn.Module, path: str | os.PathLike, device, dtyp
                     if target is None or target in loaded:
                         continue
                     tensor = f.get_tensor(key)
+                    rule = (rules or {}).get(target)
+                    if rule is not None:
+                        tensor = rule.apply(tensor)
                     if target in groups:
                         dtype_p = model.get_parameter(target).dtype
                         set_parameter(model, groups[target], tensor.to(device, dtype_p))
@@ -140,8 +148,8 @@ def _rename_plan(model: nn.Module, files: list[Path]) -> dict[str, str] | None:
     return plan
 
 
-def _load_via_transformers(model: nn.Module, path, device, dtype) -> None:
+def _load_via_transformers(model: nn.Module, path, device, dtype, rules=None) -> None:
     src = type(model).from_pretrained(
         os.fspath(path), dtype=dtype, device_map=str(device), attn_implementation="eager"
     )
-    load_from_module(model, src, torch.device(device))
+    load_from_module(model, src, torch.device(device), rules)
