@@ -190,8 +190,11 @@ def _generate(model, ids, mask, **kw):
     )  # fmt: skip
 
 
-def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> ArchResult:
-    """Build, save, reload, and compare paged with stock greedy for one architecture."""
+def run_arch(
+    model_type: str, class_name: str, model_impl: str = "auto", device: str = "cpu"
+) -> ArchResult:
+    """Build, save, reload, and compare paged with stock greedy for one architecture (model,
+    prompts and engine on ``device``)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from hf_paged.integration.dispatch import (
@@ -212,7 +215,8 @@ def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> Arch
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d)
             model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        ids, mask = prompts(model.config.get_text_config().vocab_size)
+        model = model.to(device)
+        ids, mask = (t.to(device) for t in prompts(model.config.get_text_config().vocab_size))
         with torch.no_grad():
             ref = _generate(model, ids, mask)
     except Exception as e:  # noqa: BLE001  recorded, not counted
@@ -221,6 +225,7 @@ def run_arch(model_type: str, class_name: str, model_impl: str = "auto") -> Arch
         return res
     _reset_fallback_warnings()
     cfg = dict(kv_block_size=BLOCK_SIZE, model_impl=model_impl, max_model_len=64, num_kv_blocks=64)
+    cfg["device"] = device
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
@@ -263,11 +268,13 @@ def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
     return f"tokens differ in rows {rows}, first at row {r} col {col}"
 
 
-def run_all(model_types: list[str] | None = None, model_impl: str = "auto") -> list[ArchResult]:
+def run_all(
+    model_types: list[str] | None = None, model_impl: str = "auto", device: str = "cpu"
+) -> list[ArchResult]:
     entries = causal_lm_entries()
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
-    return [run_arch(mt, cls, model_impl) for mt, cls in entries]
+    return [run_arch(mt, cls, model_impl, device) for mt, cls in entries]
 
 
 def summary(results: list[ArchResult]) -> dict[str, int]:

@@ -105,6 +105,11 @@ class GenericForCausalLM(nn.Module):
         if left:
             raise UnsupportedModelError(f"tensors computed at init cannot be rebuilt: {left[:4]}")
         self._profile()
+        if self.device.type == "cuda" and self.supports_cuda_graph:
+            from hf_paged.models.generic.graph_probe import cuda_graph_problem
+
+            self.cuda_graph_reason = cuda_graph_problem(self, self.ctx.kv_block_size)
+            self.supports_cuda_graph = self.cuda_graph_reason is None
 
     def forward(
         self,

@@ -122,9 +122,16 @@ def load_from_checkpoint(
 def _rename_plan(model: nn.Module, files: list[Path]) -> dict[str, str] | None:
     """checkpoint key -> parameter/buffer name, or None when some key needs a converter."""
     from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+    try:  # transformers >= 5's conversion mapping; older ones load through from_pretrained
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:
+        return None
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -136,7 +143,10 @@ def _rename_plan(model: nn.Module, files: list[Path]) -> dict[str, str] | None:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             keys = list(f.keys())
         for key in keys:
-            name, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            try:
+                name, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            except TypeError:  # another signature: let from_pretrained do it
+                return None
             if pattern is not None:
                 return None
             if name in state:
