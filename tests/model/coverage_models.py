@@ -110,6 +110,9 @@ def not_text_reason(config) -> str | None:
     subs = sorted(getattr(config, "sub_configs", {}) or {})
     if any(k != "text_config" for k in subs) or (subs and "text_config" not in subs):
         return f"multimodal or composite ({', '.join(subs)})"
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "model_type", None) != config.model_type:
+        return f"multimodal: a {text.model_type!r} text model inside"
     return None
 
 
