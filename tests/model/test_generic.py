@@ -150,3 +150,36 @@ def test_native_impl_refuses_other_architectures():
         resolve_model_class(config, "native")
     with pytest.raises(ValueError, match="model_impl='x' is not allowed"):
         resolve_model_class(config, "x")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "gemma2"])
+def test_fusions_keep_tokens(model_type):
+    """q/k/v and gate/up fused into one GEMM each (on CUDA by default; forced here on CPU):
+    same logits as unfused, and the fused members' weights are views of one tensor."""
+    from hf_paged.attention import get_backend
+    from hf_paged.layers.context import ModelContext
+    from hf_paged.models.generic.fusions import FusedMemberLinear
+    from hf_paged.models.registry import build_model
+    from tests.helpers import build_metadata
+
+    config, hf = build_tiny(model_type)
+    logits = []
+    for fuse in (False, True):
+        ctx = ModelContext(get_backend("torch"), kv_block_size=4)
+        model = build_model(config, ctx, torch.float32, "cpu", "generic")
+        model.fuse = fuse
+        model.load_weights(hf)
+        from hf_paged.models.protocol import KVCache
+
+        meta, pos = build_metadata([5, 3], [5, 3], 4, 2)
+        meta.kv_cache = KVCache(model.kv_cache_specs, 4, 4, torch.float32, "cpu")
+        ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(ids, pos, meta)))
+        if fuse:
+            attn = model.hf_model.get_submodule("model.layers.0.self_attn")
+            assert type(attn.q_proj) is FusedMemberLinear
+            base = attn.q_proj.weight.untyped_storage().data_ptr()
+            assert attn.v_proj.weight.untyped_storage().data_ptr() == base
+            assert model.fusion_stats["fused_groups"] >= config.num_hidden_layers
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)

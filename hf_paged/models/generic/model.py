@@ -70,6 +70,8 @@ class GenericForCausalLM(nn.Module):
         self.layer_specs: list = []
         self.supports_cuda_graph = True
         self.cuda_graph_reason: str | None = None
+        self.fuse = self.device.type == "cuda"  # fusions.py after loading (CUDA: for speed)
+        self.fusion_stats: dict[str, int] = {}
 
     @classmethod
     def build(cls, hf_config, ctx: ModelContext, dtype: torch.dtype, device) -> GenericForCausalLM:
@@ -104,6 +106,10 @@ class GenericForCausalLM(nn.Module):
         left = meta_tensor_attributes(self.hf_model)
         if left:
             raise UnsupportedModelError(f"tensors computed at init cannot be rebuilt: {left[:4]}")
+        if self.fuse:
+            from hf_paged.models.generic.fusions import apply_fusions
+
+            self.fusion_stats = apply_fusions(self.hf_model)
         self._profile()
         if self.device.type == "cuda" and self.supports_cuda_graph:
             from hf_paged.models.generic.graph_probe import cuda_graph_problem
