@@ -41,7 +41,8 @@ def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, 
             rule = (rules or {}).get(names[0])
             if rule is not None:  # this rank's part (a copy)
                 src = rule.apply(src.detach())
-            set_parameter(model, names, _adopt(names[0], src, param, device))
+            dtype = _target_dtype(model, names[0], param, src)
+            set_parameter(model, names, _adopt(names[0], src, param, device, dtype))
         for name, buf in model.named_buffers():
             src = src_buffers.get(name)
             if src is not None and src.shape == buf.shape:
@@ -66,14 +67,24 @@ def set_parameter(model: nn.Module, names: list[str], tensor: torch.Tensor) -> N
         model.get_submodule(owner)._parameters[leaf] = param
 
 
-def _adopt(name: str, src: torch.Tensor, param: torch.Tensor, device) -> torch.Tensor:
+def _target_dtype(model: nn.Module, name: str, param: torch.Tensor, src: torch.Tensor):
+    """The model's dtype, except where the source keeps a module in fp32 as the class asks
+    (``_keep_in_fp32_modules``), as ``from_pretrained`` does."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if src.dtype == torch.float32 and any(k in name.split(".") for k in keep):
+        return torch.float32
+    return param.dtype
+
+
+def _adopt(name: str, src: torch.Tensor, param: torch.Tensor, device, dtype) -> torch.Tensor:
     if src.device.type == "meta":
         raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
     if tuple(src.shape) != tuple(param.shape):
         raise ValueError(f"{name!r}: shape {tuple(src.shape)} != the model's {tuple(param.shape)}")
-    if src.device == device:
+    if src.device == device and src.dtype == dtype:
         return src  # the source's own Parameter: shared storage and in-place updates
-    return src.detach().to(device)
+    return src.detach().to(device=device, dtype=dtype)
 
 
 def load_from_checkpoint(
