@@ -183,3 +183,26 @@ def test_fusions_keep_tokens(model_type):
             assert attn.v_proj.weight.untyped_storage().data_ptr() == base
             assert model.fusion_stats["fused_groups"] >= config.num_hidden_layers
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flattening_check_catches_token_mixing_layers(monkeypatch):
+    """An LFM2 with a convolution layer, its layer type let through the static check: the
+    profile pass still refuses it, because flattened sequences do not stay independent."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from hf_paged.attention import get_backend
+    from hf_paged.layers.context import ModelContext
+    from hf_paged.models.generic import support
+    from hf_paged.models.generic.support import UnsupportedModelError
+    from hf_paged.models.registry import build_model
+    from tests.model.coverage_models import shrink_config
+
+    config = shrink_config(CONFIG_MAPPING["lfm2"]())
+    config.layer_types = ["conv", "full_attention"]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    assert support.static_reason(config) is not None  # refused up front by its layer type
+    monkeypatch.setattr(support, "_ATTENTION_LAYER_TYPES", {"full_attention", "conv"})
+    model = build_model(config, ModelContext(get_backend("torch")), torch.float32, "cpu")
+    with pytest.raises(UnsupportedModelError, match="do not stay independent"):
+        model.load_weights(hf)
