@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     BloomConfig,
     BloomForCausalLM,
+    DynamicCache,
     LogitsProcessor,
     T5Config,
     T5ForConditionalGeneration,
