@@ -7,6 +7,10 @@ the integration turns it into a ``PagedFallbackWarning`` and runs stock ``genera
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 
 class UnsupportedModelError(ValueError):
     """The generic path cannot reproduce this model exactly; the message says why."""
@@ -57,6 +61,8 @@ def static_reason(hf_config) -> str | None:
     name = cls.__name__
     if getattr(hf_config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder"
+    if not _uses_attention_interface(cls):
+        return f"{name} does not route attention through transformers' AttentionInterface"
     if getattr(hf_config, "quantization_config", None) is not None:
         method = _quant_method(hf_config.quantization_config)
         return f"{name} has a quantization_config ({method}) the engine does not implement"
@@ -71,6 +77,20 @@ def static_reason(hf_config) -> str | None:
     if other:
         return f"{name} has layers the paged attention cannot run: layer_types {other}"
     return None
+
+
+@functools.cache
+def _uses_attention_interface(cls) -> bool:
+    """The class says so (``_supports_attention_backend``), or its modeling module looks the
+    attention function up in ``ALL_ATTENTION_FUNCTIONS`` (the profile pass then checks that
+    every attention call arrives)."""
+    if getattr(cls, "_supports_attention_backend", False):
+        return True
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return True  # cannot tell: the profile pass decides
+    return "ALL_ATTENTION_FUNCTIONS" in source
 
 
 def _quant_method(qc) -> str:
