@@ -9,15 +9,21 @@ from three separate ones in the last bits, as on the native path).
   the result is always the unfused one.
 * every other plain ``nn.Linear`` runs through ``kernels.skinny_gemm.linear`` (the native
   path's decode GEMM for a few rows, ``F.linear`` otherwise).
+* RMSNorm modules whose ``forward`` is Llama's, line for line (most decoders copy it), run the
+  native path's one-launch RMSNorm kernel (``kernels.fused_norm``, identical math).
 
 Modules change class (subclasses of ``nn.Linear``), never name: parameter names stay HF's.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import nn
 
+from hf_paged.kernels import fused_norm
 from hf_paged.kernels.skinny_gemm import linear
 
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -63,6 +69,41 @@ class FusedMemberLinear(nn.Linear):
         return out
 
 
+@functools.cache
+def _llama_rms_norm_forward(cls: type) -> bool:
+    """``cls.forward`` is LlamaRMSNorm's (same source text)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    try:
+        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
+    except (OSError, TypeError):
+        return False
+
+
+_NORM_CLASSES: dict[type, type] = {}
+
+
+def _swap_rms_norm(module: nn.Module) -> bool:
+    cls = type(module)
+    w = getattr(module, "weight", None)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 1 and hasattr(module, "variance_epsilon")):
+        return False
+    if cls in _NORM_CLASSES.values() or not _llama_rms_norm_forward(cls):
+        return False
+    sub = _NORM_CLASSES.get(cls)
+    if sub is None:
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            if fused_norm.supports(hidden_states, self.weight):
+                return fused_norm.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+            return cls.forward(self, hidden_states)
+
+        sub = type(f"Paged{cls.__name__}", (cls,), {"forward": forward})
+        _NORM_CLASSES[cls] = sub
+    module.__class__ = sub
+    return True
+
+
 def _fuse(members: list[nn.Linear]) -> bool:
     ws = [m.weight for m in members]
     has_bias = [m.bias is not None for m in members]
@@ -92,9 +133,11 @@ def apply_fusions(model: nn.Module) -> dict[str, int]:
             members = [getattr(module, n, None) for n in names]
             if all(type(m) is nn.Linear for m in members) and _fuse(members):
                 fused += 1
-    swapped = 0
+    swapped = norms = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PagedLinear
             swapped += 1
-    return {"fused_groups": fused, "paged_linears": swapped}
+        elif _swap_rms_norm(module):
+            norms += 1
+    return {"fused_groups": fused, "paged_linears": swapped, "paged_rms_norms": norms}
