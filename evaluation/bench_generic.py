@@ -120,7 +120,7 @@ def check_impl(args, device) -> dict:
 
 def check_stock(args, device) -> dict:
     out = {}
-    for arch in ("gemma2-2b", "qwen3-30b-a3b"):
+    for arch in args.archs:
         model = build(arch, args.layers, device, args.smoke)
         wl = get_workload("W1", smoke=args.smoke)
         model = model.float() if device.type == "cpu" else model
@@ -139,6 +139,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", choices=["impl", "stock"], required=True)
     p.add_argument("--layers", type=int, default=12, help="layers of the shaped models")
+    p.add_argument("--archs", nargs="+", default=["gemma2-2b", "qwen3-30b-a3b"],
+                   choices=["gemma2-2b", "qwen3-30b-a3b"], help="--check stock models")  # fmt: skip
     p.add_argument("--our-requests", type=int, default=256)
     p.add_argument("--baseline-requests", type=int, default=64)
     p.add_argument("--device", default="cuda")
