@@ -34,11 +34,12 @@ _ACTIVE: contextvars.ContextVar[StepState | None] = contextvars.ContextVar(
 
 @dataclass(frozen=True)
 class LayerBinding:
-    """What one HF attention module runs at a step: hf_paged's paged attention layer for its
-    KV layer index (``attn.layer_idx``), which picks the backend that can compute its spec."""
+    """What one HF attention module runs at a step: per attention call of a forward (usually
+    one), hf_paged's paged attention layer for that call's KV layer (``attn.layer_idx``, which
+    picks the backend that can compute its spec) and whether it has attention sinks."""
 
-    attn: Attention
-    sinks: bool = False  # attention sinks: computed by ``sinks.sink_attention``
+    attns: tuple[Attention, ...]
+    sinks: tuple[bool, ...]
 
 
 class StepState:
@@ -47,6 +48,7 @@ class StepState:
     def __init__(self):
         self.meta: AttentionMetadata | None = None
         self.recorder = None  # profile.Recorder while the profile pass runs
+        self.calls: dict[int, int] = {}  # id(module) -> attention calls so far this forward
 
     @contextmanager
     def active(self, meta: AttentionMetadata | None = None, recorder=None) -> Iterator[None]:
@@ -54,6 +56,7 @@ class StepState:
         if _ACTIVE.get() is not None:
             raise RuntimeError("a generic model forward is already running in this context")
         self.meta, self.recorder = meta, recorder
+        self.calls = {}
         token = _ACTIVE.set(self)
         try:
             yield
@@ -87,11 +90,13 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()  # [T, Hkv, Dv]
-    if binding.sinks:
-        a = binding.attn
-        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, a.layer_idx, a.spec)
+    call = state.calls.get(id(module), 0)
+    state.calls[id(module)] = call + 1
+    attn = binding.attns[call]
+    if binding.sinks[call]:
+        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, attn.layer_idx, attn.spec)
     else:
-        out = binding.attn(q, k, v, state.meta)  # [T, H * Dv]; the HF module applied rope
+        out = attn(q, k, v, state.meta)  # [T, H * Dv]; the HF module applied rope
     return out.view(1, q.shape[0], q.shape[1], -1), None
 
 

@@ -171,10 +171,15 @@ class GenericForCausalLM(nn.Module):
 
         records = profile.profile_pass(self)
         modules = dict(self.hf_model.named_modules())
+        per_module: dict[str, list] = {}
         with default_dtype(self.dtype):  # the backend choice reads the model dtype from it
-            for i, rec in enumerate(records):
-                attn = Attention(rec.spec, self.ctx, i)
-                modules[rec.module_name].__dict__[BINDING_ATTR] = LayerBinding(attn, rec.sinks)
+            for i, rec in enumerate(records):  # KV layer i = the i-th attention call
+                per_module.setdefault(rec.module_name, []).append(
+                    (Attention(rec.spec, self.ctx, i), rec.sinks)
+                )
+        for name, calls in per_module.items():
+            binding = LayerBinding(tuple(a for a, _ in calls), tuple(s for _, s in calls))
+            modules[name].__dict__[BINDING_ATTR] = binding
         if any(r.sinks for r in records):
             self.supports_cuda_graph = False
             self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"

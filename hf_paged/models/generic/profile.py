@@ -41,14 +41,17 @@ _READ_KWARGS = {"sliding_window", "softcap", "s_aux"}
 
 @dataclass
 class LayerRecord:
+    """One attention call of one forward: a KV layer of its own."""
+
     module_name: str
-    num_calls: int
+    call: int  # the module's n-th attention call in a forward (DiffLlama makes two)
     spec: AttentionLayerSpec
     sinks: bool = False  # the module passes attention sinks (``s_aux``, one logit per head)
 
 
 class Recorder:
-    """Collects one ``LayerRecord`` per attention module, in first-call order.
+    """Collects one ``LayerRecord`` per attention call, in call order (a module called twice
+    in a forward gets two records, so two KV layers).
 
     Args:
         module_names: id(module) -> qualified name, for the reasons' text.
@@ -59,7 +62,8 @@ class Recorder:
     def __init__(self, module_names: dict[int, str], positions, segments):
         self.names = module_names
         self.positions, self.segments = positions, segments
-        self.records: dict[int, LayerRecord] = {}
+        self.records: dict[tuple[int, int], LayerRecord] = {}  # (id(module), call) -> record
+        self.calls: dict[int, int] = {}  # id(module) -> calls so far
         self.reasons: list[str] = []
 
     def refuse(self, name: str, why: str) -> None:
@@ -69,16 +73,13 @@ class Recorder:
 
     def record(self, module, query, key, value, mask, scaling, dropout, kwargs):
         name = self.names.get(id(module), type(module).__name__)
-        rec = self.records.get(id(module))
-        if rec is not None:
-            rec.num_calls += 1
-            self.refuse(name, f"{rec.num_calls} attention calls in one forward (one is served)")
-            return self._reference(query, key, value, rec.spec, kwargs.get("s_aux")), None
+        call = self.calls.get(id(module), 0)
+        self.calls[id(module)] = call + 1
         spec = self._spec(name, module, query, key, value, mask, scaling, dropout, kwargs)
         sinks = kwargs.get("s_aux")
         if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
             self.refuse(name, f"attention sinks of shape {tuple(sinks.shape)}, not one per head")
-        self.records[id(module)] = LayerRecord(name, 1, spec, sinks is not None)
+        self.records[(id(module), call)] = LayerRecord(name, call, spec, sinks is not None)
         return self._reference(query, key, value, spec, sinks), None
 
     def _spec(self, name, module, query, key, value, mask, scaling, dropout, kwargs):
