@@ -232,6 +232,17 @@ def get_engine(model, paged_config: EngineConfig | dict | None = None):
     return slot.engine
 
 
+def _build_engine(model, paged_config):
+    """``get_engine``; a model the engine's model paths refuse at build time (the generic
+    path's profile pass) becomes a fallback with the refusal as its reason."""
+    from hf_paged.models.generic.support import UnsupportedModelError
+
+    try:
+        return get_engine(model, paged_config)
+    except UnsupportedModelError as e:
+        raise PagedFallback("architecture", f"{type(model).__name__}: {e}") from None
+
+
 @contextlib.contextmanager
 def hold_engine(model, paged_config: EngineConfig | dict | None = None):
     """``model``'s engine (as ``get_engine``) held for one caller: other threads' paged calls
@@ -239,7 +250,7 @@ def hold_engine(model, paged_config: EngineConfig | dict | None = None):
     reentrant call does). For callers that keep requests in the engine across many steps.
 
     Raises:
-        PagedFallback: this thread already holds the engine.
+        PagedFallback: this thread already holds the engine, or the model paths refuse it.
     """
     slot = _slot(model)
     if slot.owner == threading.get_ident():
@@ -247,7 +258,7 @@ def hold_engine(model, paged_config: EngineConfig | dict | None = None):
     with slot.lock:
         slot.owner = threading.get_ident()
         try:
-            yield get_engine(model, paged_config)
+            yield _build_engine(model, paged_config)
         finally:
             slot.owner = None
 
@@ -309,7 +320,7 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
 
 def _model_reason(model) -> tuple[str, str] | None:
     from hf_paged.engine.runtime import quantization_method
-    from hf_paged.models.registry import is_supported, supported_architectures
+    from hf_paged.models.registry import model_class_reason
 
     method = quantization_method(model)
     if method is not None:
@@ -321,9 +332,9 @@ def _model_reason(model) -> tuple[str, str] | None:
     if reason is not None:
         return reason
     model = peft.unwrap(model)  # a PeftModel: the HF model inside serves its calls
-    name = type(model).__name__
-    if name not in supported_architectures() or not is_supported(model.config):
-        return "architecture", f"{name} is not an architecture the engine implements"
+    why = model_class_reason(type(model), model.config)
+    if why is not None:
+        return "architecture", why
     adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else ()
     served = [p for n, p in model.named_parameters() if n not in adapter_only]
     devices = {p.device for p in served}
@@ -399,7 +410,9 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
             for k in _NOT_FORWARDED:  # checked by precheck, or stock-only switches
                 named.pop(k, None)
                 extra.pop(k, None)
-            return generate_paged(model, lambda: get_engine(model, paged_config), **named, **extra)
+            return generate_paged(
+                model, lambda: _build_engine(model, paged_config), **named, **extra
+            )
         except PagedFallback as fb:
             warn_fallback(fb.reason, fb.detail)
         finally:

@@ -118,6 +118,31 @@ def is_supported(hf_config, model_impl: str = "auto") -> bool:
     return True
 
 
+def unsupported_reason(hf_config, model_impl: str = "auto") -> str | None:
+    """Why the path ``model_impl`` picks cannot serve ``hf_config``, or None. Cheap: builds
+    nothing (the generic path's profile pass may still refuse a model when it is built)."""
+    try:
+        cls = resolve_model_class(hf_config, model_impl)
+    except ValueError as e:
+        return str(e)
+    check = getattr(cls, "unsupported_reason", None)
+    return check(hf_config) if check is not None else None
+
+
+def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> str | None:
+    """Why an in-memory model of class ``model_cls`` cannot be served, or None: the chosen path
+    must serve its config and stand for exactly that class."""
+    why = unsupported_reason(hf_config, model_impl)
+    if why is not None:
+        return why
+    cls = resolve_model_class(hf_config, model_impl)
+    hf_class = getattr(cls, "hf_class", None)  # the generic path: the HF class it builds
+    built = hf_class(hf_config).__name__ if hf_class is not None else cls.__name__
+    if model_cls.__name__ != built:
+        return f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})"
+    return None
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Scope ``torch.set_default_dtype``; the previous default is restored on exit."""

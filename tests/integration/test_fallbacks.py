@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
     DynamicCache,
-    GPT2Config,
-    GPT2LMHeadModel,
     LogitsProcessor,
     T5Config,
     T5ForConditionalGeneration,
@@ -203,10 +203,11 @@ def _t5():
     return T5ForConditionalGeneration(cfg).eval()
 
 
-def _gpt2():
+def _bloom():
+    # attention outside transformers' AttentionInterface (ALiBi): neither path serves it
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    return GPT2LMHeadModel(cfg).eval()
+    cfg = BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2)
+    return BloomForCausalLM(cfg).eval()
 
 
 def _fp16_llama():
@@ -219,7 +220,7 @@ def _training_llama():
 
 MODEL_CASES = {
     "encoder_decoder": _t5,
-    "architecture": _gpt2,
+    "architecture": _bloom,
     "dtype": _fp16_llama,
     "training_mode": _training_llama,
 }

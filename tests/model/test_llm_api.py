@@ -82,11 +82,11 @@ def test_unknown_engine_kwarg(llm, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    cfg = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
-    GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+    cfg = BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)
+    BloomForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"BloomForCausalLM does not route attention"):
         LLM(str(tmp_path))
 
 

@@ -266,7 +266,7 @@ def test_registry_resolves_each_family():
 def test_unknown_architecture_lists_supported():
     config = tiny_config("llama")
     config.architectures = ["GPT2LMHeadModel"]
-    assert not is_supported(config)
+    assert not is_supported(config, "native")
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
         get_model_class(config)
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):

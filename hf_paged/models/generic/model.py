@@ -1,0 +1,187 @@
+"""``GenericForCausalLM``: any HF decoder served through its own modules (the model protocol).
+
+The HF model is built on meta (``build.py``) with ``attn_implementation`` set to hf_paged's
+registered function (``attention.py``). A step runs the HF backbone on the flattened batch,
+``input_ids [1, T]`` and per-token ``position_ids [1, T]``, with no mask and no HF cache; the
+attention function reads the step's metadata and the paged KV cache. Logits come from the HF
+causal LM's own forward with its backbone swapped for the given hidden rows, so the model's
+head code (Granite's ``logits_scaling``, Gemma2's final softcap, Cohere's ``logit_scale``) runs
+as written, and only on the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+from torch import nn
+
+from hf_paged.attention.base import AttentionMetadata
+from hf_paged.layers.attention import Attention
+from hf_paged.layers.context import ModelContext
+from hf_paged.models.generic import profile
+from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
+from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
+from hf_paged.models.generic.support import (
+    UnsupportedModelError,
+    check_supported,
+    resolve_hf_class,
+    static_reason,
+)
+from hf_paged.models.generic.tp import apply_tp_plan
+from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
+from hf_paged.models.protocol import KVCacheSpec
+
+
+class GenericForCausalLM(nn.Module):
+    """An HF causal LM (any decoder whose attention goes through ``AttentionInterface``) on the
+    paged engine. ``kv_cache_specs`` is known after ``load_weights`` (its profile pass).
+
+    Args:
+        hf_config: the model's config; its class is resolved by ``support.resolve_hf_class``.
+        ctx: attention backend and tensor-parallel communicator.
+        dtype, device: of the parameters and activations.
+
+    Raises:
+        UnsupportedModelError: the model cannot be served exactly; the message names why.
+    """
+
+    def __init__(self, hf_config, ctx: ModelContext, dtype: torch.dtype, device):
+        super().__init__()
+        check_supported(hf_config)
+        self.ctx = ctx
+        self.device = torch.device(device)
+        self.dtype = dtype
+        try:
+            self.hf_model = build_on_meta(hf_config, dtype, self.device)
+        except Exception as e:  # noqa: BLE001  e.g. init code that needs real tensors
+            raise UnsupportedModelError(
+                f"building on the meta device failed: {type(e).__name__}: {e}"
+            ) from e
+        # rank's part of each sharded parameter (empty at tp 1); the collectives are installed
+        self.shard_rules = apply_tp_plan(self.hf_model, ctx.comm) if ctx.tp_size > 1 else {}
+        self.backbone = backbone_of(self.hf_model)
+        self.state = StepState()
+        self._head_hidden: torch.Tensor | None = None  # set while compute_logits runs the head
+        self._head_output_cls = None  # the backbone's output class, seen in the profile pass
+        self._install_head_switch()
+        self.kv_cache_specs: list[KVCacheSpec] | None = None  # set by the profile pass
+        self.layer_specs: list = []
+        self.supports_cuda_graph = True
+        self.cuda_graph_reason: str | None = None
+        self.fuse = self.device.type == "cuda"  # fusions.py after loading (CUDA: for speed)
+        self.fusion_stats: dict[str, int] = {}
+
+    @classmethod
+    def build(cls, hf_config, ctx: ModelContext, dtype: torch.dtype, device) -> GenericForCausalLM:
+        """What ``registry.build_model`` calls (the model builds on meta itself)."""
+        return cls(hf_config, ctx, dtype, device)
+
+    @staticmethod
+    def unsupported_reason(hf_config) -> str | None:
+        """Why the generic path refuses ``hf_config`` before building it, or None."""
+        return static_reason(hf_config)
+
+    @staticmethod
+    def hf_class(hf_config) -> type:
+        """The transformers class built for ``hf_config``."""
+        return resolve_hf_class(hf_config)
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    def load_weights(self, source) -> None:
+        """Weights from a checkpoint directory or an in-memory HF model, then the profile pass.
+
+        Raises:
+            UnsupportedModelError: the profile pass found something the engine can't run.
+            ValueError / FileNotFoundError: the weights do not match or are not there.
+        """
+        if isinstance(source, nn.Module):
+            load_from_module(self.hf_model, source, self.device, self.shard_rules)
+        elif isinstance(source, (str, os.PathLike)):
+            load_from_checkpoint(self.hf_model, source, self.device, self.dtype, self.shard_rules)
+        else:
+            raise TypeError(f"source={type(source).__name__} is not a directory or an nn.Module")
+        left = meta_tensor_attributes(self.hf_model)
+        if left:
+            raise UnsupportedModelError(f"tensors computed at init cannot be rebuilt: {left[:4]}")
+        if self.fuse:
+            from hf_paged.models.generic.fusions import apply_fusions
+
+            self.fusion_stats = apply_fusions(self.hf_model)
+        self._profile()
+        if self.device.type == "cuda" and self.supports_cuda_graph:
+            from hf_paged.models.generic.graph_probe import cuda_graph_problem
+
+            self.cuda_graph_reason = cuda_graph_problem(self, self.ctx.kv_block_size)
+            self.supports_cuda_graph = self.cuda_graph_reason is None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        with self.state.active(meta=meta):
+            return self._backbone(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] through the HF model's own head code (on rank 0; None on
+        the other ranks)."""
+        logits = self.head_logits(hidden)
+        return logits if self.ctx.tp_rank == 0 else None
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` on every rank (the head is replicated)."""
+        self._head_hidden = hidden.unsqueeze(0)
+        try:
+            dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            out = self.hf_model(input_ids=dummy, use_cache=False)
+        finally:
+            self._head_hidden = None
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[0]
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+        )
+        self._head_output_cls = type(out)
+        return out[0][0]  # last_hidden_state [1, T, hidden] -> [T, hidden]
+
+    def _install_head_switch(self) -> None:
+        """The backbone's forward returns ``_head_hidden`` while ``compute_logits`` runs."""
+        backbone, owner = self.backbone, self
+        real_forward = type(backbone).forward
+
+        def forward(module, *args, **kwargs):
+            if owner._head_hidden is not None:  # what the real forward returns, hidden only
+                return owner._head_output_cls(last_hidden_state=owner._head_hidden)
+            return real_forward(module, *args, **kwargs)
+
+        backbone.forward = types.MethodType(forward, backbone)
+
+    @torch.no_grad()
+    def _profile(self) -> None:
+        """Profile pass (``profile.py``), then one hf_paged ``Attention`` per attention module."""
+        from hf_paged.models.registry import default_dtype
+
+        records = profile.profile_pass(self)
+        modules = dict(self.hf_model.named_modules())
+        per_module: dict[str, list] = {}
+        with default_dtype(self.dtype):  # the backend choice reads the model dtype from it
+            for i, rec in enumerate(records):  # KV layer i = the i-th attention call
+                per_module.setdefault(rec.module_name, []).append(
+                    (Attention(rec.spec, self.ctx, i), rec.sinks)
+                )
+        for name, calls in per_module.items():
+            binding = LayerBinding(tuple(a for a, _ in calls), tuple(s for _, s in calls))
+            modules[name].__dict__[BINDING_ATTR] = binding
+        if any(r.sinks for r in records):
+            self.supports_cuda_graph = False
+            self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"
+        self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
+        self.layer_specs = [r.spec for r in records]

@@ -1,0 +1,106 @@
+"""Which HF causal-LM class the generic path builds for a config, and the reasons it refuses
+one before building anything (the profile pass finds the rest, see ``profile.py``).
+
+Every refusal is an ``UnsupportedModelError`` (a ``ValueError``) whose message names the reason;
+the integration turns it into a ``PagedFallbackWarning`` and runs stock ``generate``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+
+class UnsupportedModelError(ValueError):
+    """The generic path cannot reproduce this model exactly; the message says why."""
+
+
+# config keys whose truthy value means layers the paged attention cannot run
+_REFUSED_CONFIG_KEYS = {
+    "num_kv_shared_layers": "layers that share another layer's KV cache",
+    "attention_chunk_size": "chunked attention",
+    "use_alibi": "ALiBi position biases",
+    "alibi": "ALiBi position biases",
+    "position_embedding_type_relative": "relative position biases",
+}
+# layer_types entries the paged attention runs; anything else (mamba, linear attention, conv...)
+# is refused by name
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local"}
+
+
+def resolve_hf_class(hf_config):
+    """The transformers class the generic path builds: ``config.architectures[0]`` when it is a
+    causal LM class of transformers, else the causal-LM mapping's class for ``model_type``.
+
+    Raises:
+        UnsupportedModelError: neither names a transformers causal LM.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs and archs[0] in causal and hasattr(transformers, archs[0]):
+        return getattr(transformers, archs[0])
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    if name is None or not hasattr(transformers, name):
+        what = archs[0] if archs else getattr(hf_config, "model_type", None)
+        raise UnsupportedModelError(
+            f"{what!r} is not a transformers causal LM (not in MODEL_FOR_CAUSAL_LM_MAPPING)"
+        )
+    return getattr(transformers, name)
+
+
+def static_reason(hf_config) -> str | None:
+    """Why the generic path refuses ``hf_config`` without building it, or None."""
+    try:
+        cls = resolve_hf_class(hf_config)
+    except UnsupportedModelError as e:
+        return str(e)
+    name = cls.__name__
+    if getattr(hf_config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder"
+    if not _uses_attention_interface(cls):
+        return f"{name} does not route attention through transformers' AttentionInterface"
+    if getattr(hf_config, "quantization_config", None) is not None:
+        method = _quant_method(hf_config.quantization_config)
+        return f"{name} has a quantization_config ({method}) the engine does not implement"
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if text is not hf_config and text.model_type != hf_config.model_type:
+        return f"{name} is multimodal (text config {text.model_type!r} inside)"
+    for key, what in _REFUSED_CONFIG_KEYS.items():
+        if getattr(text, key, None):
+            return f"{name} has {what} ({key}={getattr(text, key)!r})"
+    types = getattr(text, "layer_types", None) or []
+    other = sorted({t for t in types if isinstance(t, str)} - _ATTENTION_LAYER_TYPES)
+    if other:
+        return f"{name} has layers the paged attention cannot run: layer_types {other}"
+    return None
+
+
+@functools.cache
+def _uses_attention_interface(cls) -> bool:
+    """The class says so (``_supports_attention_backend``), or its modeling module looks the
+    attention function up in ``ALL_ATTENTION_FUNCTIONS`` (the profile pass then checks that
+    every attention call arrives)."""
+    if getattr(cls, "_supports_attention_backend", False):
+        return True
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return True  # cannot tell: the profile pass decides
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _quant_method(qc) -> str:
+    if isinstance(qc, dict):
+        return str(qc.get("quant_method", "unknown"))
+    return str(getattr(qc, "quant_method", "unknown"))
+
+
+def check_supported(hf_config) -> None:
+    """Raises ``UnsupportedModelError`` with ``static_reason``'s text, if any."""
+    reason = static_reason(hf_config)
+    if reason is not None:
+        raise UnsupportedModelError(reason)

@@ -1,0 +1,340 @@
+"""Every causal LM in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, built tiny from its
+default config, run through ``generate(backend="paged")`` and compared with stock greedy.
+
+Each architecture ends as one of:
+  served     the engine ran it and the tokens equal stock's
+  fallback   the engine refused it (``PagedFallbackWarning``) and stock ran; the reason is kept
+  failure    paged tokens differ from stock's, or the paged call raised
+  not_text   not a decoder-only text architecture (encoder-decoder or multimodal): not counted
+  no_build   its default config does not build tiny (not counted; the error is kept)
+
+``python -m tests.model.coverage_models [--write FILE] [model_type ...]`` prints the table (and
+writes it as markdown).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.testing import randomize_
+
+BLOCK_SIZE = 4
+PROMPT_LENS = (1, 4, 5, 9)  # 1 token, a block boundary, one past it, two blocks + 1
+MAX_NEW_TOKENS = 16
+VOCAB = 192
+HIDDEN = 64
+
+# shrunk sizes, set on any config that has the key (attribute_map aliases resolve)
+_SMALL = {
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 256,
+    "head_dim": 16,
+    "sliding_window": 8,
+    # MoE
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_num_experts": 4,
+    "moe_k": 2,
+    "moe_topk": 2,
+    # MLA
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 24,
+    "v_head_dim": 16,
+    # misc widths
+    "n_inner": 128,
+    "ffn_hidden_size": 128,
+    "rotary_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "global_attn_every_n_layers": 2,
+    "embedding_size": HIDDEN,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "is_decoder": True,  # BERT-style LM heads are causal only as decoders
+}
+# keys whose None default means "off" (no window, no low-rank q, full rotary...): kept None
+_KEEP_NONE = {"sliding_window", "q_lora_rank", "rotary_dim", "partial_rotary_factor"}
+# per model_type extra overrides (applied after _SMALL)
+_EXTRA: dict[str, dict] = {
+    "xmod": {"default_language": "en_XX"},
+    "zaya": {"num_experts_per_tok": 1},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    "gemma4_unified_assistant": {"hidden_size_per_layer_input": 0},
+}
+
+
+@dataclass
+class ArchResult:
+    model_type: str
+    class_name: str
+    status: str  # served | fallback | failure | not_text | no_build
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def causal_lm_entries() -> list[tuple[str, str]]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+
+
+def not_text_reason(config) -> str | None:
+    """Why ``config`` is not a decoder-only text architecture, or None."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    subs = sorted(getattr(config, "sub_configs", {}) or {})
+    if any(k != "text_config" for k in subs) or (subs and "text_config" not in subs):
+        return f"multimodal or composite ({', '.join(subs)})"
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "model_type", None) != config.model_type:
+        return f"multimodal: a {text.model_type!r} text model inside"
+    return None
+
+
+def _layer_list(value, n: int):
+    """A per-layer list cut to ``n`` entries, keeping every distinct value it has."""
+    distinct = list(dict.fromkeys(value))
+    if len(distinct) >= n:
+        return distinct[:n]
+    return (distinct * n)[:n]
+
+
+def _shrink_per_layer(d: dict, layer_types) -> dict:
+    """Gemma4-style ``per_layer_config`` ({"05": {...}}): the first entry moved to a kept layer
+    of the same type, its sizes shrunk (head dims to twice the shrunk head_dim)."""
+    key, entry = next(iter(d["per_layer_config"].items()))
+    kind = layer_types[int(key)] if layer_types else None
+    kept = d.get("layer_types") or []
+    idx = kept.index(kind) if kind in kept else len(kept) - 1
+    small = {k: (2 * _SMALL["head_dim"] if "head_dim" in k else _SMALL.get(k, v))
+             for k, v in entry.items()}  # fmt: skip
+    return {f"{max(idx, 0):02d}": small}
+
+
+def shrink_config(config):
+    """A tiny copy of ``config`` (see ``_SMALL``); per-layer lists cut to two layers."""
+    d = config.to_dict()
+    n_orig = getattr(config, "num_hidden_layers", None)
+    keys = set(d) | set(getattr(config, "attribute_map", {}))
+    for k, v in {**_SMALL, **_EXTRA.get(config.model_type, {})}.items():
+        if k in keys and not (k in _KEEP_NONE and d.get(k, 0) is None):
+            d[k] = v
+    heads, kv = (
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "num_key_value_heads", None),
+    )
+    if "num_key_value_heads" in keys:  # keep MHA / MQA / GQA as it was
+        d["num_key_value_heads"] = 4 if kv in (heads, None) else 1 if kv == 1 else 2
+    if "qk_rope_head_dim" in keys:  # MLA: head_dim is the rotary part
+        d["head_dim"] = d["qk_rope_head_dim"]
+    if "text_config" in d and isinstance(d["text_config"], dict):
+        d["text_config"] = shrink_config(config.text_config).to_dict()
+    for k, v in list(d.items()):
+        if isinstance(v, list) and n_orig and len(v) == n_orig and n_orig > 2:
+            d[k] = _layer_list(v, 2)
+    if isinstance(d.get("per_layer_config"), dict) and d["per_layer_config"]:
+        d["per_layer_config"] = _shrink_per_layer(d, getattr(config, "layer_types", None))
+    d.pop("transformers_version", None)
+    d.pop("architectures", None)
+    return type(config)(**{k: v for k, v in d.items() if k != "model_type"})
+
+
+def build_tiny(model_type: str, seed: int = 0):
+    """(config, tiny random fp32 model in eval mode) for ``model_type``."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = shrink_config(CONFIG_MAPPING[model_type]())
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return config, randomize_(model, seed).eval()
+
+
+def prompts(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``[B, L]`` ids (no special ids 0-2) and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(PROMPT_LENS)
+    ids = torch.zeros(len(PROMPT_LENS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(PROMPT_LENS):
+        ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+def _generate(model, ids, mask, **kw):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS,
+        do_sample=False, pad_token_id=0, **kw,
+    )  # fmt: skip
+
+
+def run_arch(
+    model_type: str, class_name: str, model_impl: str = "auto", device: str = "cpu"
+) -> ArchResult:
+    """Build, save, reload, and compare paged with stock greedy for one architecture (model,
+    prompts and engine on ``device``)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from hf_paged.integration.dispatch import (
+        PagedFallbackWarning,
+        _reset_fallback_warnings,
+        release,
+    )
+
+    t0 = time.perf_counter()
+    res = ArchResult(model_type, class_name, "no_build")
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        why = not_text_reason(config)
+        if why is not None:
+            res.status, res.detail = "not_text", why
+            return res
+        _, model = build_tiny(model_type)
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d)
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        model = model.to(device)
+        ids, mask = (t.to(device) for t in prompts(model.config.get_text_config().vocab_size))
+        with torch.no_grad():
+            ref = _generate(model, ids, mask)
+    except Exception as e:  # noqa: BLE001  recorded, not counted
+        res.detail = f"{type(e).__name__}: {_short(e)}"
+        res.seconds = time.perf_counter() - t0
+        return res
+    _reset_fallback_warnings()
+    cfg = dict(kv_block_size=BLOCK_SIZE, model_impl=model_impl, max_model_len=64, num_kv_blocks=64)
+    cfg["device"] = device
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PagedFallbackWarning)
+            out = _generate(model, ids, mask, backend="paged", paged_config=cfg)
+        fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
+        if fell:
+            res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
+        elif not _engine_ran(model):
+            res.status, res.detail = "failure", "no fallback warning, but no engine was built"
+        elif torch.equal(out, ref):
+            res.status, res.detail = "served", "identical"
+        else:
+            res.status, res.detail = "failure", _first_diff(ref, out)
+    except Exception as e:  # noqa: BLE001  a paged call must never raise here
+        res.status, res.detail = "failure", f"{type(e).__name__}: {_short(e)}"
+    finally:
+        release(model)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _engine_ran(model) -> bool:
+    from hf_paged.integration.dispatch import _SLOT_ATTR
+
+    slot = model.__dict__.get(_SLOT_ATTR)
+    return slot is not None and slot.engine is not None
+
+
+def _short(e, n: int = 160) -> str:
+    s = " ".join(str(e).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
+    if ref.shape != out.shape:
+        return f"shape {tuple(out.shape)} != stock {tuple(ref.shape)}"
+    rows = (ref != out).any(dim=1).nonzero().flatten().tolist()
+    r = rows[0]
+    col = int((ref[r] != out[r]).nonzero()[0])
+    return f"tokens differ in rows {rows}, first at row {r} col {col}"
+
+
+def run_all(
+    model_types: list[str] | None = None, model_impl: str = "auto", device: str = "cpu"
+) -> list[ArchResult]:
+    entries = causal_lm_entries()
+    if model_types:
+        entries = [e for e in entries if e[0] in model_types]
+    return [run_arch(mt, cls, model_impl, device) for mt, cls in entries]
+
+
+def summary(results: list[ArchResult]) -> dict[str, int]:
+    counts = {s: 0 for s in ("served", "fallback", "failure", "not_text", "no_build")}
+    for r in results:
+        counts[r.status] += 1
+    built = counts["served"] + counts["fallback"] + counts["failure"]
+    counts["built"] = built
+    counts["served_pct"] = math.floor(100 * counts["served"] / built) if built else 0
+    return counts
+
+
+def markdown_table(results: list[ArchResult]) -> str:
+    """The coverage table: decoder-only text architectures first, then the ones not counted."""
+    c = summary(results)
+    lines = [
+        f"{c['served']} of {c['built']} decoder-only text architectures that build tiny are "
+        f"served ({c['served_pct']}%), {c['fallback']} fall back with a named reason, "
+        f"{c['failure']} fail. Tiny random fp32 models (hidden {HIDDEN}, 2 layers, vocab "
+        f"{VOCAB}), left-padded prompts of {', '.join(map(str, PROMPT_LENS))} tokens, "
+        f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {BLOCK_SIZE}; transformers "
+        f"{_tf_version()}.",
+        "",
+        "| model_type | class | result | detail |",
+        "|---|---|---|---|",
+    ]
+    order = {"served": 0, "failure": 1, "fallback": 2, "not_text": 3, "no_build": 4}
+    label = {
+        "served": "served", "fallback": "fallback", "failure": "**FAILURE**",
+        "not_text": "not counted: not a decoder-only text model", "no_build": "not counted: does not build tiny",
+    }  # fmt: skip
+    for r in sorted(results, key=lambda r: (order[r.status], r.model_type)):
+        detail = r.detail.replace("|", "\\|")
+        lines.append(f"| {r.model_type} | {r.class_name} | {label[r.status]} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main(argv: list[str]) -> None:
+    write = None
+    if argv[:1] == ["--write"]:
+        write, argv = argv[1], argv[2:]
+    warnings.filterwarnings("ignore")
+    results = run_all(argv or None)
+    table = markdown_table(results)
+    print(table)
+    for r in results:
+        print(f"{r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s", file=sys.stderr)
+    if write:
+        with open(write, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
