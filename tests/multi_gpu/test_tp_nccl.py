@@ -67,7 +67,8 @@ def test_nccl_tp2_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
 
         monkeypatch.setattr(graphs, "replay", counting)
         got = tokens(llm, ps)
-    assert len(replayed) >= SP.max_tokens - 1 and max(replayed) > 16  # decode went through graphs
+    # pure decode steps (those not mixed with a prefill chunk) went through the graphs
+    assert len(replayed) >= SP.max_tokens // 2 and max(replayed) > 16
     assert got == ref
 
 

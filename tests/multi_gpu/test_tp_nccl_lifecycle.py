@@ -58,7 +58,7 @@ def test_nccl_worker_killed_mid_run_raises_engine_dead(model_path):
     before = shm_segments()
     llm = LLM(model_path, tensor_parallel_size=2, **dict(ENGINE, num_kv_blocks=200))
     pids = llm.engine.executor.group.pids
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)  # 100 + 120 < 256
     llm.generate(prompts(2), long, use_tqdm=False)  # warm: the kill lands in a running step
     killer = threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL))
     killer.start()
