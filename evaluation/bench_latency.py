@@ -13,8 +13,11 @@ and total / 256.
 * ``llm``: ``hf_paged.LLM(model)`` (decode CUDA graphs on unless ``--enforce-eager``), stepped
   through its engine so TTFT is the end of the step that produced token 1. ``--repeats``
   (default 3) timed generations of distinct prompts; the row is the median one, all are listed.
+  With ``--tensor-parallel-size N`` > 1 the engine gets a safetensors checkpoint of the model
+  saved to a temp dir (each rank loads its shard from it); the stock rows keep the in-memory model.
 * ``dispatch``: ``generate(backend="paged")`` on the native path: total / 256 only (a timing
-  stopping criterion would move it to the external-sampling path).
+  stopping criterion would move it to the external-sampling path). Skipped at
+  ``--tensor-parallel-size`` > 1: the dispatcher serves an in-memory model, which only tp=1 can.
 
 Stock TTFT/per-step times come from a StoppingCriteria that synchronizes the device and stamps the
 time at every step (stock already synchronizes once per step to check for stopping).
@@ -24,6 +27,7 @@ Floor: weight bytes / device-to-device copy bandwidth, both measured in this run
 
 Usage (GPU): PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_latency.py
 Smoke (CPU): PYTHONPATH=. .venv/bin/python evaluation/bench_latency.py --smoke
+TP (GPU): add ``--tensor-parallel-size 2``; on CPU ``--smoke --tensor-parallel-size 2`` (gloo).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import (  # noqa: E402
     RESULTS_DIR,
     build_random_model,
+    engine_source,
     environment,
     free_memory,
     log,
@@ -154,15 +159,16 @@ def run_stock(model, prompt, warm_prompt, n_new, device, static: bool, warmups: 
     return row
 
 
-def run_llm(model, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
+def run_llm(source, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
     """One timed generation per prompt (distinct prompts: no prefix hits); the row is the
     repeat with the median decode ms/token, with every repeat listed. Tokens: the first
-    prompt's (the one stock runs)."""
+    prompt's (the one stock runs). ``source``: the HF model, or at tensor_parallel_size > 1 a
+    checkpoint directory of it (``workloads.engine_source``)."""
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)
     t = time.perf_counter()
-    llm = LLM(model, **ekw)
+    llm = LLM(source, **ekw)
     startup = time.perf_counter() - t
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     try:
@@ -194,6 +200,8 @@ def run_llm(model, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
             + ", ".join(f"{d:.3f}" for d in decode) + " (row = median)")  # fmt: skip
         if device == "cpu" or ekw.get("enforce_eager"):
             row["label"] = "hf_paged LLM (eager)"
+        if ekw.get("tensor_parallel_size", 1) > 1:
+            row["label"] += f" tp={ekw['tensor_parallel_size']}"
         return row
     finally:
         llm.close()
@@ -247,9 +255,21 @@ def main(argv=None) -> None:
         action="store_true",
         help="async_scheduling=False (default: the engine's auto, on for one CUDA rank)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks of the hf_paged LLM row (N > 1: the engine loads a checkpoint saved to a "
+        "temp dir; the stock rows keep the in-memory model)",
+    )
+    p.add_argument("--tmp-dir", default=None, help="where the tp > 1 checkpoint is saved")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny model, 32 + 8 tokens")
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    tp = args.tensor_parallel_size
     if args.smoke:
         args.arch, args.device, args.prompt_len, args.new_tokens = "tiny", "cpu", 32, 8
         args.copy_gib, args.max_model_len = 1 / 16, None
@@ -286,7 +306,15 @@ def main(argv=None) -> None:
     for s in systems:  # ours first: the compiled static path keeps its graph pools afterwards
         log(f"{s}: start ({mem_str(device)})")
         if s == "llm":
-            rows.append(run_llm(model, llm_prompts, warm_prompt, args.new_tokens, device, ekw))
+            with engine_source(model, tp, args.tmp_dir) as (source, extra):
+                rows.append(
+                    run_llm(source, llm_prompts, warm_prompt, args.new_tokens, device,
+                            {**ekw, **extra})
+                )  # fmt: skip
+        elif s == "dispatch" and tp > 1:
+            why = "tensor_parallel_size > 1: generate(backend='paged') serves the in-memory model"
+            log(f"dispatch: skipped ({why})")
+            rows.append({"system": "dispatch", "label": LABELS["dispatch"], "skipped": why})
         elif s == "dispatch":
             rows.append(run_dispatch(model, prompt, warm_prompt, args.new_tokens, device, ekw))
         else:
@@ -332,6 +360,7 @@ def main(argv=None) -> None:
         "env": env, "dtype": str(dtype), "device": device, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "weight_bytes": wbytes, "copy_GBps": bw / 1e9,
         "copy_gib": args.copy_gib, "floor_ms_per_token": floor_ms, "engine_kwargs": ekw,
+        "tensor_parallel_size": tp,
         "systems": rows, "table_markdown": table,
     }  # fmt: skip
     path.write_text(json.dumps(doc, indent=1, default=str))

@@ -10,10 +10,13 @@ Systems (rows), all greedy, EOS ignored, each request exactly its own number of 
   ``generate_batch`` itself takes one ``max_new_tokens`` for all requests.
 * ``llm``: ``hf_paged.LLM(model)`` sharing the HF model's weights, one SamplingParams per
   request (``max_tokens=out_len[i]``). Also run on the baseline subset (fresh engine, so no
-  prefix-cache carry-over) when the two request counts differ.
+  prefix-cache carry-over) when the two request counts differ. With
+  ``--tensor-parallel-size N`` > 1 the engine gets a safetensors checkpoint of the model saved to
+  a temp dir (each rank loads its shard from it); the other rows keep the in-memory model.
 * ``dispatch``: the ``stock`` calls with ``backend="paged"`` added (the generate dispatcher). The
   per-row StoppingCriteria sends it down the external-sampling path (HF's criteria run on every
-  step's logits), and like stock every row runs to the batch's longest.
+  step's logits), and like stock every row runs to the batch's longest. Skipped at
+  ``--tensor-parallel-size`` > 1: the dispatcher serves an in-memory model, which only tp=1 can.
 
 Metric: requested output tokens / wall seconds, after an excluded warm-up (engine start-up,
 CUDA-graph capture and the CB manager's warm-up are excluded too). Baselines are slow, so they
@@ -22,6 +25,7 @@ run on the first ``--baseline-requests`` requests (default 64 = one stock batch)
 
 Usage (GPU): PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_throughput.py --workload W1
 Smoke (CPU): PYTHONPATH=. .venv/bin/python evaluation/bench_throughput.py --smoke
+TP (GPU): add ``--tensor-parallel-size 2``; on CPU ``--smoke --tensor-parallel-size 2`` (gloo).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from workloads import (  # noqa: E402
     TritonCompileLog,
     Workload,
     build_random_model,
+    engine_source,
     environment,
     free_memory,
     get_workload,
@@ -191,12 +196,14 @@ def run_cb(model, wl: Workload, device) -> dict:
                    cb_config=str(getattr(manager, "continuous_batching_config", None)))  # fmt: skip
 
 
-def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm") -> dict:
+def run_llm(source, wl: Workload, engine_kwargs: dict, device, system: str = "llm") -> dict:
+    """``wl`` through ``hf_paged.LLM(source)``: ``source`` is the HF model or, at
+    tensor_parallel_size > 1, a checkpoint directory of it (``workloads.engine_source``)."""
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)
     t_start = time.perf_counter()
-    llm = LLM(model, **engine_kwargs)
+    llm = LLM(source, **engine_kwargs)
     startup = time.perf_counter() - t_start
     log(f"{system}: engine ready in {startup:.1f} s ({llm.stats['num_kv_blocks']} KV blocks)")
     try:
@@ -240,7 +247,10 @@ def run_llm(model, wl: Workload, engine_kwargs: dict, device, system: str = "llm
                 f"{system} profile {name:>15}: {row['total_s']:7.3f} s, {row['mean_ms']:7.3f} ms x {row['calls']}"
             )
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    return _result(system, wl, wall, outputs, **info)
+    row = _result(system, wl, wall, outputs, **info)
+    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+        row["label"] += f" tp={engine_kwargs['tensor_parallel_size']}"
+    return row
 
 
 def run_dispatch(model, wl: Workload, batch_size: int, device, engine_kwargs: dict) -> dict:
@@ -414,11 +424,16 @@ def run_workload(name: str, args) -> Path:
             results.append({"system": "cb", "label": LABELS["cb"], "skipped": f"failed: {e!r}"})
         free_memory(device)
     if "llm" in args.systems:
-        log(f"llm: start ({mem_str(device)})")
-        results.append(run_llm(model, ours, ekw, device))
-        if base.num_requests != ours.num_requests and not args.no_llm_subset:
-            results.append(run_llm(model, base, ekw, device, system="llm_subset"))
-    if "dispatch" in args.systems:
+        with engine_source(model, args.tensor_parallel_size, args.tmp_dir) as (source, extra):
+            log(f"llm: start ({mem_str(device)})")
+            results.append(run_llm(source, ours, {**ekw, **extra}, device))
+            if base.num_requests != ours.num_requests and not args.no_llm_subset:
+                results.append(run_llm(source, base, {**ekw, **extra}, device, system="llm_subset"))
+    if "dispatch" in args.systems and args.tensor_parallel_size > 1:
+        why = "tensor_parallel_size > 1: generate(backend='paged') serves the in-memory model"
+        log(f"dispatch: skipped ({why})")
+        results.append({"system": "dispatch", "label": LABELS["dispatch"], "skipped": why})
+    elif "dispatch" in args.systems:
         log(f"dispatch: start ({mem_str(device)})")
         n = args.dispatch_requests or base.num_requests
         results.append(run_dispatch(model, wl.head(n), args.stock_batch_size, device, ekw))
@@ -431,6 +446,7 @@ def run_workload(name: str, args) -> Path:
         "benchmark": "throughput", "workload": name, "arch": wl.arch, "smoke": args.smoke,
         "env": environment(), "dtype": str(dtype), "device": device,
         "weight_bytes": weight_bytes(model), "engine_kwargs": ekw,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "workload_spec": {"requests": wl.num_requests, "prompt_tokens": wl.num_prompt_tokens,
                           "output_tokens": wl.num_output_tokens,
                           "baseline_requests": base.num_requests,
@@ -489,11 +505,22 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks of the hf_paged LLM rows (N > 1: the engine loads a checkpoint saved to a "
+        "temp dir; the baselines keep the in-memory model)",
+    )
+    p.add_argument("--tmp-dir", default=None, help="where the tp > 1 checkpoint is saved")
     p.add_argument("--out-dir", default=None)
     p.add_argument(
         "--smoke", action="store_true", help="CPU, fp32, tiny model, 8 short requests, batches of 4"
     )
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.smoke:
         args.baseline_requests = min(args.baseline_requests, 8)
         args.our_requests = min(args.our_requests, 8)

@@ -16,12 +16,14 @@ stock ``generate`` never stops early and every system generates exactly the requ
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +170,27 @@ def build_random_model(
         do_sample=False, bos_token_id=None, eos_token_id=None, pad_token_id=0
     )
     return model
+
+
+@contextlib.contextmanager
+def engine_source(model, tensor_parallel_size: int, tmp_dir: str | None = None):
+    """What ``hf_paged.LLM`` is given as its model, and the engine keys that go with it.
+
+    Yields ``(source, extra_engine_kwargs)``. At tensor_parallel_size 1: the in-memory ``model``
+    (the engine shares its weights). Above: a checkpoint directory of it (``save_pretrained``,
+    safetensors) in ``tmp_dir`` (default: the system's temp dir; an 8B bf16 model takes 16 GB),
+    removed on exit, because each rank loads its own shard from disk and an in-memory model
+    only lives in rank 0's process; the extra keys name the model's device and the rank count.
+    """
+    if tensor_parallel_size == 1:
+        yield model, {}
+        return
+    with tempfile.TemporaryDirectory(prefix="hf_paged_bench_tp_", dir=tmp_dir) as path:
+        t = time.perf_counter()
+        model.save_pretrained(path)
+        dt = time.perf_counter() - t
+        log(f"tp={tensor_parallel_size}: saved the model to {path} in {dt:.1f} s")
+        yield path, {"tensor_parallel_size": tensor_parallel_size, "device": str(model.device)}
 
 
 def weight_bytes(model) -> int:

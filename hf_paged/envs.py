@@ -210,3 +210,36 @@ def launcher(name: str) -> str | None:
     if name not in LAUNCHER_VARIABLES:
         raise KeyError(f"{name!r} is not a launcher variable: one of {LAUNCHER_VARIABLES}")
     return os.environ.get(name)
+
+
+# Set in every tensor-parallel worker, and in rank 0 before it starts them, unless the user's
+# environment already sets them: NVLink multicast (NVLS) stays off in NCCL, torch's symmetric
+# memory and NVSHMEM, because a program using multicast can take a shared host's GPUs out of
+# service. Each rank's NCCL reads its own environment when its group is created, so every rank
+# of one engine gets the same values (a spawned worker would otherwise inherit whatever rank 0's
+# environment held when it was started).
+WORKER_ENV_DEFAULTS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def worker_environment() -> dict[str, str]:
+    """The variables a spawned tensor-parallel worker must set: each of ``WORKER_ENV_DEFAULTS``
+    that is not set in this process's environment (a value the user set, even "1", wins)."""
+    return {name: value for name, value in WORKER_ENV_DEFAULTS.items() if name not in os.environ}
+
+
+def set_environment(values: dict[str, str]) -> None:
+    """Set ``values`` in this process's environment (from :func:`worker_environment`).
+
+    Raises:
+        ValueError: a name that is not one of ``WORKER_ENV_DEFAULTS``.
+    """
+    for name in values:
+        if name not in WORKER_ENV_DEFAULTS:
+            raise ValueError(
+                f"set_environment: {name!r} is not allowed: only {list(WORKER_ENV_DEFAULTS)}"
+            )
+    os.environ.update(values)

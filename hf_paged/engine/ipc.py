@@ -35,6 +35,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from hf_paged import envs
 from hf_paged.engine.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
 from hf_paged.engine.worker_health import Heartbeats, StderrTail
 from hf_paged.engine.worker_main import worker_main
@@ -95,6 +96,9 @@ class WorkerGroup:
     ``target.exit()`` if present and ends the process. Rank 0 builds its own target separately,
     after constructing the group and before ``wait_ready`` (construction is collective).
 
+    NVLink multicast stays off: ``envs.WORKER_ENV_DEFAULTS`` not set in rank 0's environment
+    are set there (for rank 0's own NCCL group) and in every worker before its target is built.
+
     On rank 0::
 
         address = f"127.0.0.1:{find_free_port()}"
@@ -142,10 +146,12 @@ class WorkerGroup:
         atexit.register(self._finalizer)  # runs before multiprocessing's own atexit hook
         # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread.
         parent = (os.getpid(), threading.current_thread() is threading.main_thread())
+        environment = envs.worker_environment()
+        envs.set_environment(environment)
         for rank in range(1, world_size):
             recv, send = ctx.Pipe(duplex=False)
             args = (rank, world_size, target_factory, factory_args, shm.reader_handle(rank - 1))
-            args += (send, poll_s, parent, (beats.name, heartbeat_interval))
+            args += (send, poll_s, parent, (beats.name, heartbeat_interval), environment)
             proc = ctx.Process(
                 target=worker_main, args=args, name=f"hf_paged-tp{rank}", daemon=True
             )

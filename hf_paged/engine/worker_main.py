@@ -15,18 +15,22 @@ import threading
 import time
 import traceback
 
+from hf_paged import envs
 from hf_paged.engine.shm_broadcast import ShmReader
 from hf_paged.engine.worker_health import set_parent_death_signal, start_beating
 
 
 def worker_main(
-    rank, world_size, factory, factory_args, handle, result_conn, poll_s, parent, heartbeat
-) -> None:
+    rank, world_size, factory, factory_args, handle, result_conn, poll_s, parent, heartbeat,
+    environment,
+) -> None:  # fmt: skip
     """Run worker ``rank`` until rank 0 sends "exit" or dies.
 
     ``parent`` is ``(rank 0's pid, whether it spawned this process from its main thread)``,
     taken by rank 0 before the spawn so that a parent already gone is noticed; ``heartbeat`` is
-    ``(segment name, seconds between beats)``. Other arguments: see ``WorkerGroup``.
+    ``(segment name, seconds between beats)``; ``environment`` is ``envs.worker_environment()``
+    of rank 0, set before the target (and so its NCCL group) is built. Other arguments: see
+    ``WorkerGroup``.
     """
     parent_pid, parent_is_main_thread = parent
     if parent_is_main_thread:
@@ -39,6 +43,7 @@ def worker_main(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid, poll_s), daemon=True).start()
     start_beating(heartbeat[0], rank - 1, heartbeat[1])
+    envs.set_environment(environment)
     try:
         reader = ShmReader(handle, poll_s, parent_pid)
         target = factory(rank, world_size, *factory_args)

@@ -71,6 +71,20 @@ class DummyTarget:
         self.pg = None
 
 
+def env_probe(rank, world_size, path):
+    """A WorkerGroup factory that writes the worker's ``envs.WORKER_ENV_DEFAULTS`` variables
+    (None = unset) to ``path`` as JSON, as its environment holds them when its target is built."""
+    import json
+    import os
+
+    from hf_paged import envs
+
+    seen = {name: os.environ.get(name) for name in envs.WORKER_ENV_DEFAULTS}
+    with open(path, "w") as f:
+        json.dump(seen, f)
+    return object()
+
+
 def _sigint_parent() -> None:
     from hf_paged.engine.ipc import WorkerGroup
 

@@ -1,7 +1,12 @@
 """Tensor-parallel workers run with rank 0's HF_PAGED_* values (carried in the runner's spec),
-not with what their own environment says."""
+not with what their own environment says; and with NVLink multicast off unless the user chose."""
 
 from __future__ import annotations
+
+import json
+import os
+
+import pytest
 
 from hf_paged import LLM, SamplingParams, envs
 from hf_paged.testing import save_tiny_model
@@ -26,3 +31,36 @@ def test_workers_use_rank0_switches_not_their_environment(tmp_path, monkeypatch)
         assert got == ref
     finally:
         envs.reset()
+
+
+def test_worker_environment_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    got = envs.worker_environment()
+    assert got["NCCL_NVLS_ENABLE"] == "0"
+    assert "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in got  # the user's value wins
+    with pytest.raises(ValueError, match="'PATH' is not allowed"):
+        envs.set_environment({"PATH": "/nowhere"})
+
+
+def test_spawned_workers_run_with_nvlink_multicast_off(tmp_path, monkeypatch):
+    from hf_paged.engine.ipc import WorkerGroup
+    from tests.multi.dummy_target import env_probe
+
+    # setenv first so that monkeypatch restores "unset" after WorkerGroup sets it in this process
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "placeholder")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE")
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "placeholder")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")  # set by the user: kept
+    path = tmp_path / "worker_env.json"
+    group = WorkerGroup(2, env_probe, str(path))
+    try:
+        group.wait_ready(timeout=60)
+    finally:
+        group.close()
+    assert json.loads(path.read_text()) == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }  # fmt: skip
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # rank 0's own NCCL group agrees

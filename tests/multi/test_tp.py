@@ -57,6 +57,8 @@ def test_tp2_matches_tp1(models, name):
         ref = [o.token_ids for o in llm.generate(ps, PARAMS, use_tqdm=False)]
         ref_stats = llm.stats
     with LLM(models[name], tensor_parallel_size=2, **kwargs) as llm:
+        # llama: 2 KV heads, one per rank; qwen3_mqa: its one KV head replicated on both ranks
+        assert llm.engine.executor.runner.kv_specs[0].num_kv_heads == 1
         got = [o.token_ids for o in llm.generate(ps, PARAMS, use_tqdm=False)]
         stats = llm.stats
     assert ref_stats["num_preemptions"] > 0 and stats["num_preemptions"] > 0
