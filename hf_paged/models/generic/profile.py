@@ -203,14 +203,22 @@ def profile_pass(model) -> list[LayerRecord]:
     return records
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    tol = 1e-4 if a.dtype == torch.float32 else 2e-2
+def _close(a: torch.Tensor, b: torch.Tensor, half_tol: float = 2e-2) -> bool:
+    tol = 1e-4 if a.dtype == torch.float32 else half_tol
     a, b = a.float(), b.float()
     return bool((a - b).norm() <= tol * b.norm() + 1e-6)
 
 
+# Hidden states after every layer of a deep bf16/fp16 model differ between the flattened and the
+# separate forwards by rounding alone (GEMMs of other shapes), a few percent of their norm on
+# 32-layer 8B shapes; a layer that mixes the two sequences' tokens changes them by about their
+# whole norm (independent sequences' states are uncorrelated), so 25% separates the two.
+_FLATTEN_HALF_TOL = 0.25
+
+
 def _check_flattening(flat: torch.Tensor, alone: list[torch.Tensor]) -> None:
-    if not all(_close(part, a) for part, a in zip(flat.split(_LENGTHS), alone, strict=True)):
+    parts = zip(flat.split(_LENGTHS), alone, strict=True)
+    if not all(_close(part, a, _FLATTEN_HALF_TOL) for part, a in parts):
         raise UnsupportedModelError(
             "sequences flattened into one row do not stay independent: the model mixes tokens "
             "outside its attention calls (recurrent, convolution or hand-written attention "
