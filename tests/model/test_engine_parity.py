@@ -43,29 +43,31 @@ def variant(request, tmp_path_factory):
     return path, hf
 
 
-def hf_greedy(hf, prompts: list[list[int]]) -> list[list[int]]:
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Stock generate, one prompt at a time (no padding), EOS never stops it."""
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
             seq = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             )  # fmt: skip
         outs.append(seq[0, len(p) :].tolist())
     return outs
 
 
-def paged_greedy(path, prompts, **engine_kwargs):
-    # min_tokens masks EOS like HF min_new_tokens, so both run the full NEW_TOKENS
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+def paged_greedy(path, prompts, new_tokens: int = NEW_TOKENS, **engine_kwargs):
+    """``path``: a checkpoint dir or an in-memory HF model; ``engine_kwargs`` override the
+    defaults below."""
+    # min_tokens masks EOS like HF min_new_tokens, so both run the full new_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
     kwargs = dict(max_model_len=MAX_LEN, kv_block_size=8, num_kv_blocks=256)
     kwargs.update(engine_kwargs)
     with LLM(path, **kwargs) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = dict(llm.stats)
-    assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outs)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == new_tokens for o in outs)
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]  # every block back
     return [o.token_ids for o in outs], stats
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.testing import save_tiny_model
+from tests.model import test_engine_parity as parity
 from tests.model.coverage_models import build_tiny
 
 NEW_TOKENS = 16
@@ -42,27 +43,12 @@ def arch(request, tmp_path_factory):
 
 
 def hf_greedy(hf, prompts):
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            seq = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        outs.append(seq[0, len(p) :].tolist())
-    return outs
+    return parity.hf_greedy(hf, prompts, new_tokens=NEW_TOKENS)
 
 
 def paged_greedy(model, prompts, **engine_kwargs):
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    kwargs = dict(max_model_len=MAX_LEN, kv_block_size=4, num_kv_blocks=256)
-    kwargs.update(engine_kwargs)
-    with LLM(model, **kwargs) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = dict(llm.stats)
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-    return [o.token_ids for o in outs], stats
+    kwargs = dict(max_model_len=MAX_LEN, kv_block_size=4, **engine_kwargs)
+    return parity.paged_greedy(model, prompts, new_tokens=NEW_TOKENS, **kwargs)
 
 
 def test_checkpoint_defaults(arch):
