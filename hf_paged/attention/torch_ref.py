@@ -40,14 +40,23 @@ def attend(
     mask: torch.Tensor,  # [q_len, ctx] bool, True = attend
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [H] one logit per head (GPT-OSS's ``s_aux``)
 ) -> torch.Tensor:  # [H, q_len, Dv]
-    """Masked softmax attention; with ``softcap`` the scores are ``c * tanh(s / c)`` first."""
-    if softcap is None:
+    """Masked softmax attention; with ``softcap`` the scores are ``c * tanh(s / c)`` first. A
+    sink logit joins each query's softmax and takes probability mass without a value:
+    ``p = softmax([s_1 .. s_n, sink])[:n]``, as transformers' eager attention computes it."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H, q_len, ctx]
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(vals.dtype), vals)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # [H, q_len, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(vals.dtype), vals)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -66,6 +75,7 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
+        sinks: torch.Tensor | None = None,  # [H]: attention sinks (only this backend has them)
     ) -> torch.Tensor:  # [T, H, Dv]
         has_cache = k_cache is not None and v_cache is not None
         if has_cache and not kv_stored:
@@ -99,6 +109,7 @@ class TorchRefBackend(AttentionBackend):
                 mask,
                 spec.scale,
                 spec.softcap,
+                sinks,
             )
             out[s:e] = o.transpose(0, 1)
         return out
