@@ -56,6 +56,9 @@ class AttentionLayerSpec:
     sliding_window: int | None = None  # attend to keys with q_pos - k_pos < sliding_window
     head_dim_v: int | None = None  # of v and the output; None = head_dim
     softcap: float | None = None  # scores = softcap * tanh(scores / softcap), before masking
+    # ALiBi: scores[h, q, k] += alibi_slopes[h] * (k_pos - q_pos), after softcap, before masking
+    # (one slope per query head on this rank; Bloom's slope * k_pos is the same softmax)
+    alibi_slopes: tuple[float, ...] | None = None
 
     @property
     def v_head_dim(self) -> int:

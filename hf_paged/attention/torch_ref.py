@@ -33,6 +33,16 @@ def causal_mask(
     return mask
 
 
+def alibi_bias(
+    slopes: tuple[float, ...], q_len: int, context_len: int, device: torch.device
+) -> torch.Tensor:  # [H, q_len, context_len] fp32
+    """``slope_h * (k_pos - q_pos)``; query j sits at position ``context_len - q_len + j``."""
+    q_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    rel = (k_pos - q_pos).float()  # [q_len, ctx]
+    return torch.tensor(slopes, dtype=torch.float32, device=device).view(-1, 1, 1) * rel
+
+
 def attend(
     q: torch.Tensor,  # [H, q_len, D]
     keys: torch.Tensor,  # [H, ctx, D]
@@ -41,15 +51,19 @@ def attend(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,  # [H] one logit per head (GPT-OSS's ``s_aux``)
+    alibi_slopes: tuple[float, ...] | None = None,  # [H] ALiBi slope per head
 ) -> torch.Tensor:  # [H, q_len, Dv]
-    """Masked softmax attention; with ``softcap`` the scores are ``c * tanh(s / c)`` first. A
-    sink logit joins each query's softmax and takes probability mass without a value:
-    ``p = softmax([s_1 .. s_n, sink])[:n]``, as transformers' eager attention computes it."""
-    if softcap is None and sinks is None:
+    """Masked softmax attention; with ``softcap`` the scores are ``c * tanh(s / c)`` first,
+    then ALiBi adds ``slope_h * (k_pos - q_pos)`` (queries are the last ``q_len`` of ``ctx``
+    positions). A sink logit joins each query's softmax and takes probability mass without a
+    value: ``p = softmax([s_1 .. s_n, sink])[:n]``, as transformers' eager attention computes it."""
+    if softcap is None and sinks is None and alibi_slopes is None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H, q_len, ctx]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q.shape[1], keys.shape[1], scores.device)
     scores = scores.masked_fill(~mask, float("-inf")).float()
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)
@@ -60,7 +74,8 @@ def attend(
 
 
 class TorchRefBackend(AttentionBackend):
-    """Every layer spec (GQA, sliding window, softcap, V head dim != K head dim); host loop."""
+    """Every layer spec (GQA, sliding window, softcap, ALiBi, V head dim != K head dim); host
+    loop."""
 
     name = "torch"
     supports_cuda_graph = False
@@ -110,6 +125,7 @@ class TorchRefBackend(AttentionBackend):
                 spec.scale,
                 spec.softcap,
                 sinks,
+                spec.alibi_slopes,
             )
             out[s:e] = o.transpose(0, 1)
         return out

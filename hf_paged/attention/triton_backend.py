@@ -60,6 +60,8 @@ class TritonBackend(AttentionBackend):
         have no score softcap and need V's head dim equal to K's, a power of 2 >= 16."""
         if spec.softcap is not None:
             return f"softcap={spec.softcap} (the Triton kernels have no score softcap)"
+        if spec.alibi_slopes is not None:
+            return "ALiBi (the Triton kernels have no position bias)"
         if spec.v_head_dim != spec.head_dim:
             return f"head_dim_v={spec.v_head_dim} != head_dim={spec.head_dim}"
         d = spec.head_dim

@@ -1,5 +1,5 @@
 """The torch reference backend against a dense naive attention: V head dim != K head dim, score
-softcap, GQA, sliding window, prefill over a cached prefix, decode, and no cache at all. Plus the
+softcap, ALiBi, GQA, sliding window, prefill over a cached prefix, decode, and no cache at all. Plus the
 Triton backend's ``problem`` report, which needs no triton."""
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def naive(q, k, v, q_len, spec):
     if spec.softcap is not None:
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
     pos = torch.arange(s)
+    if spec.alibi_slopes is not None:  # Bloom's form: slope * k_pos (the same softmax)
+        scores = scores + torch.tensor(spec.alibi_slopes).double().view(-1, 1, 1) * pos.double()
     mask = pos[None, :] <= pos[:, None]
     if spec.sliding_window is not None:
         mask &= pos[:, None] - pos[None, :] < spec.sliding_window
@@ -35,6 +37,8 @@ SPECS = {
     "dv_smaller": AttentionLayerSpec(4, 2, 16, 0.3, head_dim_v=8),
     "dv_larger_softcap": AttentionLayerSpec(4, 1, 8, 0.5, head_dim_v=24, softcap=2.0),
     "softcap_window": AttentionLayerSpec(2, 2, 16, 0.4, sliding_window=3, softcap=1.5),
+    "alibi_gqa": AttentionLayerSpec(4, 2, 16, 0.3, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
+    "alibi_window": AttentionLayerSpec(2, 1, 8, 0.5, sliding_window=4, alibi_slopes=(1.0, 0.3)),
 }
 
 
@@ -81,6 +85,15 @@ def test_softcap_changes_the_output():
     capped = AttentionLayerSpec(2, 2, 16, 0.5, softcap=1.0)
     plain = AttentionLayerSpec(2, 2, 16, 0.5)
     assert not torch.allclose(naive(q, k, v, 6, capped), naive(q, k, v, 6, plain), atol=1e-2)
+
+
+def test_alibi_changes_the_output():
+    """Guards the ALiBi cases above: the bias must matter on these inputs."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 2, 16, generator=g) for _ in range(3))
+    biased = AttentionLayerSpec(2, 2, 16, 0.5, alibi_slopes=(1.0, 0.5))
+    plain = AttentionLayerSpec(2, 2, 16, 0.5)
+    assert not torch.allclose(naive(q, k, v, 6, biased), naive(q, k, v, 6, plain), atol=1e-2)
 
 
 def test_no_cache_attends_whole_prompts_and_refuses_cached_tokens():

@@ -13,6 +13,7 @@ import copy
 import torch
 from torch import nn
 
+from hf_paged.models.generic.adapters import install as install_adapters
 from hf_paged.models.generic.attention import ATTN_IMPL, register
 from hf_paged.models.generic.support import resolve_hf_class
 
@@ -28,6 +29,7 @@ def build_on_meta(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Mod
     with torch.device("meta"), default_dtype(dtype):
         model = cls._from_config(config, attn_implementation=ATTN_IMPL, dtype=dtype)
     model.eval()
+    install_adapters(model)  # attention modules that do not call AttentionInterface
     materialize_buffers(model, device)
     return model
 

@@ -36,7 +36,8 @@ _IGNORED_KWARGS = {
     "output_hidden_states", "return_dict", "past_key_values", "cache", "is_causal",
     "output_router_logits", "logits_to_keep",
 }  # fmt: skip
-_READ_KWARGS = {"sliding_window", "softcap", "s_aux"}
+# read into the spec; ``alibi_slopes`` ([H] tensor) is passed by the adapters (``adapters/``)
+_READ_KWARGS = {"sliding_window", "softcap", "s_aux", "alibi_slopes"}
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Recorder:
         window = kwargs.get("sliding_window")
         softcap = kwargs.get("softcap")
         dim, dim_v = query.shape[-1], value.shape[-1]
+        slopes = kwargs.get("alibi_slopes")
+        if slopes is not None and tuple(slopes.shape) != (query.shape[1],):
+            self.refuse(name, f"ALiBi slopes of shape {tuple(slopes.shape)}, not one per head")
         return AttentionLayerSpec(
             num_heads=query.shape[1],
             num_kv_heads=key.shape[1],
@@ -111,6 +115,7 @@ class Recorder:
             sliding_window=int(window) if window else None,
             head_dim_v=dim_v if dim_v != dim else None,
             softcap=float(softcap) if softcap else None,
+            alibi_slopes=tuple(float(x) for x in slopes.tolist()) if slopes is not None else None,
         )
 
     def _reference(self, query, key, value, spec: AttentionLayerSpec, sinks=None) -> torch.Tensor:
@@ -128,6 +133,9 @@ class Recorder:
         scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
         if spec.softcap is not None:
             scores = spec.softcap * torch.tanh(scores / spec.softcap)
+        if spec.alibi_slopes is not None:
+            slopes = torch.tensor(spec.alibi_slopes, device=q.device).view(-1, 1, 1)
+            scores = scores + slopes * (pos[None, :] - pos[:, None]).float()
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is not None:  # one extra logit per head that takes mass and gives no value
             sink = sinks.float().view(-1, 1, 1).expand(-1, t, 1)

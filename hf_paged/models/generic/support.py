@@ -81,10 +81,15 @@ def static_reason(hf_config) -> str | None:
 
 @functools.cache
 def _uses_attention_interface(cls) -> bool:
-    """The class says so (``_supports_attention_backend``), or its modeling module looks the
-    attention function up in ``ALL_ATTENTION_FUNCTIONS`` (the profile pass then checks that
-    every attention call arrives)."""
+    """The class says so (``_supports_attention_backend``), an adapter serves it
+    (``adapters/``), or its modeling module looks the attention function up in
+    ``ALL_ATTENTION_FUNCTIONS`` (the profile pass then checks that every attention call
+    arrives)."""
     if getattr(cls, "_supports_attention_backend", False):
+        return True
+    from hf_paged.models.generic.adapters import serves
+
+    if serves(cls):  # its attention modules get an adapter that calls the paged attention
         return True
     try:
         source = inspect.getsource(sys.modules[cls.__module__])
