@@ -17,6 +17,7 @@ import types
 import torch
 from torch import nn
 
+from hf_paged import envs
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.context import ModelContext
@@ -169,6 +170,7 @@ class GenericForCausalLM(nn.Module):
         """Profile pass (``profile.py``), then one hf_paged ``Attention`` per attention module."""
         from hf_paged.models.registry import default_dtype
 
+        self.state.rope_calls, self.state.rope_mismatch = 0, False
         records = profile.profile_pass(self)
         modules = dict(self.hf_model.named_modules())
         per_module: dict[str, list] = {}
@@ -184,4 +186,8 @@ class GenericForCausalLM(nn.Module):
             self.supports_cuda_graph = False
             self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"
         self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
+        # rope handed to the attention layer (rope.py) when every profiled rope call's outputs
+        # went straight into an attention call
+        st = self.state
+        st.defer_rope = envs.HF_PAGED_FUSED and st.rope_calls > 0 and not st.rope_mismatch
         self.layer_specs = [r.spec for r in records]
