@@ -94,7 +94,8 @@ def paged_attention_forward(
     state.calls[id(module)] = call + 1
     attn = binding.attns[call]
     if binding.sinks[call]:
-        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, attn.layer_idx, attn.spec)
+        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, attn.layer_idx, attn.spec,
+                             attn.backend)  # fmt: skip
     else:
         out = attn(q, k, v, state.meta)  # [T, H * Dv]; the HF module applied rope
     return out.view(1, q.shape[0], q.shape[1], -1), None
