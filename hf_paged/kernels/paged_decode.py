@@ -123,6 +123,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,
         ALIBI: tl.constexpr,
         SINKS: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         NUM_PARTITIONS: tl.constexpr,
@@ -177,7 +178,7 @@ if triton is not None:
             qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, TILE_N]
             rel = (k_pos - (ctx - 1)).to(tl.float32)[None, :]
             s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2,
-                            SOFTCAP, ALIBI)  # fmt: skip
+                            SOFTCAP, ALIBI, TANH_LIBDEVICE)  # fmt: skip
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])

@@ -105,6 +105,7 @@ if triton is not None:
         SEPARATE_V: tl.constexpr,
         SOFTCAP: tl.constexpr,
         ALIBI: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -122,7 +123,8 @@ if triton is not None:
                       (d < HEAD_DIM)[:, None], MASK, BLOCK_D != HEAD_DIM)  # [D, TILE_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
         rel = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-        s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI)
+        s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI,
+                        TANH_LIBDEVICE)  # fmt: skip
         if MASK:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
             if WINDOW > 0:
@@ -178,6 +180,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,
         ALIBI: tl.constexpr,
         SINKS: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -234,21 +237,24 @@ if triton is not None:
                 acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
         for start in range(full_lo, full_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, False, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
         for start in range(full_hi, k_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
