@@ -119,8 +119,13 @@ if triton is not None:
         else:
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-        k = load_tile(k_cache_ptr + kv_off[None, :] + d[:, None], k_ok[None, :],
-                      (d < HEAD_DIM)[:, None], MASK, BLOCK_D != HEAD_DIM)  # [D, TILE_N]
+        k = load_tile(
+            k_cache_ptr + kv_off[None, :] + d[:, None],
+            k_ok[None, :],
+            (d < HEAD_DIM)[:, None],
+            MASK,
+            BLOCK_D != HEAD_DIM,
+        )  # [D, TILE_N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
         rel = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI,
@@ -137,8 +142,13 @@ if triton is not None:
         v_off = kv_off
         if SEPARATE_V:
             v_off = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + v_head_off
-        v = load_tile(v_cache_ptr + v_off[:, None] + dv[None, :], k_ok[:, None],
-                      (dv < HEAD_DIM_V)[None, :], MASK, BLOCK_DV != HEAD_DIM_V)  # [TILE_N, Dv]
+        v = load_tile(
+            v_cache_ptr + v_off[:, None] + dv[None, :],
+            k_ok[:, None],
+            (dv < HEAD_DIM_V)[None, :],
+            MASK,
+            BLOCK_DV != HEAD_DIM_V,
+        )  # [TILE_N, Dv]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 
