@@ -130,7 +130,8 @@ def paged_attention_forward(
     if binding.sinks[call]:
         if rope is not None:
             q, k, _ = apply_rotary_emb_qk(q, k, rope.cos, rope.sin)
-        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, attn.layer_idx, attn.spec)
+        out = sink_attention(q, k, v, kwargs["s_aux"], state.meta, attn.layer_idx, attn.spec,
+                             attn.backend)  # fmt: skip
     else:
         out = attn(q, k, v, state.meta, rope=rope)  # [T, H * Dv]
     return out.view(1, q.shape[0], q.shape[1], -1), None

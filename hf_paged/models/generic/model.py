@@ -24,6 +24,7 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
+from hf_paged.models.generic.sinks import sink_backend
 from hf_paged.models.generic.support import (
     UnsupportedModelError,
     check_supported,
@@ -182,7 +183,9 @@ class GenericForCausalLM(nn.Module):
         for name, calls in per_module.items():
             binding = LayerBinding(tuple(a for a, _ in calls), tuple(s for _, s in calls))
             modules[name].__dict__[BINDING_ATTR] = binding
-        if any(r.sinks for r in records):
+        sink_backends = [sink_backend(a.backend) for calls in per_module.values()
+                         for a, has_sinks in calls if has_sinks]  # fmt: skip
+        if any(not b.supports_cuda_graph for b in sink_backends):
             self.supports_cuda_graph = False
             self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"
         self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
