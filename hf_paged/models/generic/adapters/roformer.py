@@ -5,8 +5,9 @@ to every layer as ``sinusoidal_pos``. On the flattened row those indices are not
 positions, so the table module's adapter returns its whole table ``[P, D]`` and the attention
 adapter picks each token's row by ``position_ids``. Stock ``generate`` counts left pads into
 RoFormer's positions (its forward takes no ``position_ids``); rotary scores depend only on
-``q_pos - k_pos``, so a per-row offset changes nothing, except with ``rotary_value=True``
-(values rotated by their absolute position), which is refused.
+``q_pos - k_pos`` when the table is the sinusoid (``create_weight``), so a per-row offset
+changes nothing; a checkpoint whose table is anything else, or ``rotary_value=True`` (values
+rotated by their absolute position), would depend on the padding, and is refused.
 """
 
 from __future__ import annotations
@@ -27,10 +28,27 @@ from hf_paged.models.generic.adapters._bert_style import (
 )
 from hf_paged.models.generic.support import UnsupportedModelError
 
+_CHECKED_ATTR = "_hf_paged_sinusoid_checked"
+
 
 def sinusoidal_table(module: RoFormerSinusoidalPositionalEmbedding, *args, **kwargs):
-    """The whole sinusoidal table ``[P, D]`` (sin half, cos half), whatever the input shape."""
-    return module.weight
+    """The whole sinusoidal table ``[P, D]`` (sin half, cos half), whatever the input shape.
+
+    Raises:
+        UnsupportedModelError: the loaded table is not the sinusoid (checked once).
+    """
+    table = module.weight
+    if not module.__dict__.get(_CHECKED_ATTR):
+        want = module.create_weight().to(table.device, torch.float32)
+        tol = 1e-5 if table.dtype == torch.float32 else 1e-2
+        if not torch.allclose(table.float(), want, rtol=0.0, atol=tol):
+            raise UnsupportedModelError(
+                "RoFormer's position table (encoder.embed_positions.weight) is not the sinusoid "
+                "its rotary embeddings are relative with; stock's tokens would depend on the "
+                "batch's left padding"
+            )
+        module.__dict__[_CHECKED_ATTR] = True
+    return table
 
 
 def self_attention(
