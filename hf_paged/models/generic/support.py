@@ -24,6 +24,8 @@ _REFUSED_CONFIG_KEYS = {
     "alibi": "ALiBi position biases",
     "position_embedding_type_relative": "relative position biases",
 }
+# refused keys an adapted class (``adapters/``) implements itself
+_ADAPTER_CONFIG_KEYS = {"use_alibi", "alibi"}
 # layer_types entries the paged attention runs; anything else (mamba, linear attention, conv...)
 # is refused by name
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local"}
@@ -69,7 +71,10 @@ def static_reason(hf_config) -> str | None:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if text is not hf_config and text.model_type != hf_config.model_type:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
+    adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
+        if key in _ADAPTER_CONFIG_KEYS and adapted:
+            continue  # the adapter passes the slopes to the paged attention
         if getattr(text, key, None):
             return f"{name} has {what} ({key}={getattr(text, key)!r})"
     types = getattr(text, "layer_types", None) or []
@@ -96,6 +101,12 @@ def _uses_attention_interface(cls) -> bool:
     except (OSError, TypeError, KeyError):
         return True  # cannot tell: the profile pass decides
     return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _adapted(cls) -> bool:
+    from hf_paged.models.generic.adapters import serves
+
+    return serves(cls)
 
 
 def _quant_method(qc) -> str:

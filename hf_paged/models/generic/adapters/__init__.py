@@ -23,7 +23,12 @@ from collections.abc import Callable
 from torch import nn
 
 # family modules under this package, imported on first use
-_FAMILIES: tuple[str, ...] = ()
+_FAMILIES: tuple[str, ...] = (
+    "bloom",
+    "falcon",
+    "gpt_neo",
+    "mpt",
+)
 
 _ADAPTERS: dict[type, Callable] = {}  # HF attention module class -> replacement forward
 _MODELS: set[str] = set()  # qualified names of the causal-LM classes the adapters serve
