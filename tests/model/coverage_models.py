@@ -86,9 +86,11 @@ _EXTRA: dict[str, dict] = {
     # DbrxAttention reads attn_config.rope_theta and clamps by clip_qkv, which real DBRX configs
     # set (500000, 8) and the default DbrxAttentionConfig lacks; ffn_config.hidden_size follows
     # d_model as it is at init
-    "dbrx": {"d_model": HIDDEN,
-             "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
-             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    "dbrx": {
+        "d_model": HIDDEN,
+        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "gemma4_unified_assistant": {"hidden_size_per_layer_input": 0},
 }
