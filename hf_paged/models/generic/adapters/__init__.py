@@ -27,7 +27,10 @@ _FAMILIES: tuple[str, ...] = (
     "bloom",
     "falcon",
     "gpt_neo",
+    "gpt_neox_japanese",
     "mpt",
+    "openai_gpt",
+    "xglm",
 )
 
 _ADAPTERS: dict[type, Callable] = {}  # HF attention module class -> replacement forward
