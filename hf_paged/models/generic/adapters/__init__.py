@@ -28,6 +28,7 @@ _FAMILIES: tuple[str, ...] = (
     "falcon",
     "gpt_neo",
     "gpt_neox_japanese",
+    "llama4",
     "mpt",
     "openai_gpt",
     "xglm",
