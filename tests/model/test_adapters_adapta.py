@@ -212,3 +212,17 @@ def test_layer_sub_configs_are_text_models():
     assert not_text_reason(CONFIG_MAPPING["mpt"]()) is None
     assert not_text_reason(CONFIG_MAPPING["dbrx"]()) is None
     assert "vision_config" in not_text_reason(CONFIG_MAPPING["llama4"]())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_left_padded_parity_cuda(name):
+    """The same parity on CUDA, fp32, through the GPU attention backend (the torch reference
+    for any layer it reports it cannot compute)."""
+    model_type, overrides, _ = VARIANTS[name]
+    model = build(model_type, **overrides).to("cuda")
+    ids, mask = (t.cuda() for t in prompts(model.config.get_text_config().vocab_size))
+    ref, out, fell, served = paged_vs_stock(model, ids, mask, device="cuda")
+    assert fell == [] and served is not None
+    assert torch.equal(out, ref)
