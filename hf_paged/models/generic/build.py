@@ -77,4 +77,7 @@ def backbone_of(model: nn.Module) -> nn.Module:
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:
         return base
+    inner = getattr(model, "model", None)  # Llama 4's base_model_prefix names another attribute
+    if isinstance(inner, PreTrainedModel):
+        return inner
     raise ValueError(f"{type(model).__name__} has no backbone module to call")

@@ -51,7 +51,7 @@ class GenericForCausalLM(nn.Module):
 
     def __init__(self, hf_config, ctx: ModelContext, dtype: torch.dtype, device):
         super().__init__()
-        check_supported(hf_config)
+        check_supported(hf_config, ctx.max_model_len)
         self.ctx = ctx
         self.device = torch.device(device)
         self.dtype = dtype

@@ -25,12 +25,20 @@ from torch import nn
 # family modules under this package, imported on first use
 _FAMILIES: tuple[str, ...] = (
     "big_bird",
+    "bloom",
     "cpmant",
     "doge",
+    "falcon",
+    "gpt_neo",
+    "gpt_neox_japanese",
+    "llama4",
     "megatron_bert",
+    "mpt",
+    "openai_gpt",
     "rembert",
     "roformer",
     "trocr",
+    "xglm",
     "xlm",
 )
 
