@@ -76,3 +76,23 @@ def attend(module: nn.Module, query, key, value) -> tuple[torch.Tensor, None]:
     scale = query.shape[-1] ** -0.5
     out, _ = paged_attention_forward(module, query, key, value, None, scaling=scale)  # [1, T, H, D]
     return out.reshape(*out.shape[:2], -1), None
+
+
+def serve_bert_self_attention(causal_lm: type, base_model: type, self_attention: type) -> None:
+    """Register the plain BERT self-attention adapter for one family (MegatronBERT, RemBERT):
+    ``self_attention``'s projections, paged causal attention, ``(context, None)``."""
+    from hf_paged.models.generic.adapters import register
+
+    def forward(
+        module: nn.Module,
+        hidden_states: torch.Tensor,  # [1, T, hidden]
+        attention_mask=None,
+        encoder_hidden_states=None,
+        *args,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        reason = bidirectional_reason(base_model)
+        check_causal_self_attention(module, encoder_hidden_states, reason)
+        return attend(module, *project_heads(module, hidden_states))
+
+    register(model_classes=(causal_lm,), adapters={self_attention: forward})

@@ -3,33 +3,9 @@ absolute position embeddings come from ``position_ids`` in the embeddings, outsi
 
 from __future__ import annotations
 
-import torch
 from transformers import RemBertForCausalLM, RemBertModel
 from transformers.models.rembert.modeling_rembert import RemBertSelfAttention
 
-from hf_paged.models.generic.adapters import register
-from hf_paged.models.generic.adapters._bert_style import (
-    attend,
-    bidirectional_reason,
-    check_causal_self_attention,
-    project_heads,
-)
+from hf_paged.models.generic.adapters._bert_style import serve_bert_self_attention
 
-
-def self_attention(
-    module: RemBertSelfAttention,
-    hidden_states: torch.Tensor,  # [1, T, hidden]
-    attention_mask=None,
-    encoder_hidden_states=None,
-    *args,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    reason = bidirectional_reason(RemBertModel)
-    check_causal_self_attention(module, encoder_hidden_states, reason)
-    return attend(module, *project_heads(module, hidden_states))
-
-
-register(
-    model_classes=(RemBertForCausalLM,),
-    adapters={RemBertSelfAttention: self_attention},
-)
+serve_bert_self_attention(RemBertForCausalLM, RemBertModel, RemBertSelfAttention)
