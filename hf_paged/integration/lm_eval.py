@@ -40,7 +40,6 @@ from hf_paged.integration.lm_eval_requests import (
     loglikelihood_result,
     score_params,
     score_window,
-    wave_order,
 )
 
 HFLM_MODULE = "lm_eval.models.huggingface"
@@ -207,17 +206,13 @@ def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_b
         _warn("loglikelihood", fb)
         return original(self, requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
     windows = [score_window(ctx, cont, self.max_length) for _, ctx, cont in requests]
-    prompts, starts = [w[0] for w in windows], [w[1] for w in windows]
-    order = wave_order(prompts, starts, engine.config.max_num_batched_tokens)
     outs = run_requests(
         engine,
-        [EngineRequest(prompts[i], score_params(starts[i])) for i in order],
+        [EngineRequest(prompt, score_params(start)) for prompt, start in windows],
         "Running loglikelihood requests (paged)",
         disable_tqdm or self.rank != 0,
     )
-    results: list = [None] * len(requests)
-    for i, out in zip(order, outs, strict=True):
-        results[i] = loglikelihood_result(out, starts[i])
+    results = [loglikelihood_result(out, start) for out, (_, start) in zip(outs, windows)]
     for (request_str, _, _), answer in zip(requests, results, strict=True):
         if request_str is not None:  # rolling windows are cached per document, by the caller
             self.cache_hook.add_partial("loglikelihood", request_str, answer)
