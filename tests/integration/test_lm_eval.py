@@ -278,20 +278,31 @@ def _score_requests(n_ctx: int, n_cont: int):
     return out
 
 
-def test_loglikelihood_shares_contexts(hflm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_loglikelihood_shares_contexts(hflm, overlap):
     """Continuations of one context reuse its KV through the prefix cache (a small step budget:
-    contexts are prefilled in chunks, over several steps) and still equal stock."""
+    contexts are prefilled in chunks, over several steps) and still equal stock, also under
+    overlapped stepping (what a GPU runs by default)."""
+    import torch
+
     lm, dispatch, _ = hflm
     reqs = _score_requests(6, 3)
+    ctx = reqs[0][1]  # and a 4th continuation that is the model's greedy one: is_greedy True
+    greedy = lm.model.generate(torch.tensor([ctx]), max_new_tokens=3, do_sample=False)
+    reqs.insert(3, (None, ctx, greedy[0, len(ctx) :].tolist()))
     dispatch.set_default_backend("hf")
     stock = lm._loglikelihood_tokens(reqs)
+    assert stock[3][1] and not all(g for _, g in stock)
     dispatch.set_default_backend("paged")
-    dispatch.configure(lm.model, max_num_batched_tokens=64, kv_block_size=8)
+    dispatch.configure(lm.model, max_num_batched_tokens=64, kv_block_size=8,
+                       async_scheduling=overlap)  # fmt: skip
     ours = lm._loglikelihood_tokens(reqs)
     stats = dispatch.get_engine(lm.model).stats
-    # the 2nd and 3rd continuation of each context wait for its first one to prefill it, then
-    # take every full block before their first scored row (row len(ctx) - 1) from the cache
-    want = sum(2 * ((len(ctx) - 1) // 8 * 8) for _, ctx, _ in reqs[::3])
+    assert (stats["num_overlapped_steps"] > 0) == overlap
+    # every continuation of a context after its first waits for that one to prefill it, then
+    # takes every full block before its first scored row (row len(ctx) - 1) from the cache
+    contexts = [tuple(c) for _, c, _ in reqs]
+    want = sum((contexts.count(c) - 1) * ((len(c) - 1) // 8 * 8) for c in set(contexts))
     assert stats["prefix_cache_hit_tokens"] == want
     for (a, ga), (b, gb) in zip(stock, ours, strict=True):
         assert close(a, b) and ga == gb
