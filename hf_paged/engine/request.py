@@ -44,7 +44,9 @@ def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> li
     ids = list(prompt_token_ids)
     if not ids:
         raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
-    for pos, t in enumerate(ids):
+    # plain ints in range (the common case) are checked by C loops; anything else one by one
+    plain = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size
+    for pos, t in enumerate(() if plain else ids):
         try:  # ints, numpy ints and integer 0-d tensors; not bools, floats or strings
             ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
         except TypeError:
