@@ -79,8 +79,10 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
     lm._loglikelihood_tokens(warm)  # engine start-up and a whole run of the same shape
     engine = dispatch.get_engine(lm.model)
     engine.block_manager.reset_stats()
+    before = engine.stats
     ours, t_ours = timed(lm._loglikelihood_tokens, reqs)
-    hit_rate = engine.stats["prefix_cache_hit_rate"]
+    after = engine.stats
+    hit_rate = after["prefix_cache_hit_rate"]
     ours_sub, t_sub = timed(lm._loglikelihood_tokens, reqs[:n_stock])  # cache warm: reported only
     log(f"loglikelihood paged: {len(reqs)} requests in {t_ours:.2f}s, hit rate {hit_rate:.3f}")
     diffs = [abs(a[0] - b[0]) for a, b in zip(stock, ours[:n_stock])]
@@ -93,6 +95,8 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
         "paged_req_per_s": len(reqs) / t_ours,
         "speedup": (len(reqs) / t_ours) / (n_stock / t_stock),
         "prefix_cache_hit_rate": hit_rate,
+        "overlapped_steps": after["num_overlapped_steps"] - before["num_overlapped_steps"],
+        "held_back": after["num_held_back"] - before["num_held_back"],
         "paged_again_on_stock_subset_s": t_sub,
         "max_abs_loglikelihood_diff": max(diffs),
         "mean_abs_loglikelihood_diff": sum(diffs) / len(diffs),

@@ -418,6 +418,7 @@ class LLMEngine:
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
+            "num_held_back": self.scheduler.num_held_back,  # waits for a prefix being prefilled
             **self._profile_stats(),
         }
 
