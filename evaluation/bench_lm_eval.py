@@ -83,6 +83,8 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
     ours, t_ours = timed(lm._loglikelihood_tokens, reqs)
     after = engine.stats
     hit_rate = after["prefix_cache_hit_rate"]
+    for name, row in (after.get("profile") or {}).items():  # HF_PAGED_PROFILE=1
+        log(f"loglikelihood profile {name:>15}: {row['total_s']:7.3f} s, {row['calls']} calls")
     ours_sub, t_sub = timed(lm._loglikelihood_tokens, reqs[:n_stock])  # cache warm: reported only
     log(f"loglikelihood paged: {len(reqs)} requests in {t_ours:.2f}s, hit rate {hit_rate:.3f}")
     diffs = [abs(a[0] - b[0]) for a, b in zip(stock, ours[:n_stock])]

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--sync-scheduling", action="store_true", help="async_scheduling=False")
     p.add_argument("--out-dir", default="/tmp/hf_paged_profile")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "native", "generic"])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = p.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -47,6 +48,7 @@ def main() -> None:
     model = build_random_model(arch, device, dtype)
     llm = LLM(
         model,
+        model_impl=args.model_impl,
         max_model_len=args.prompt_len + 256,
         enforce_eager=args.enforce_eager,
         async_scheduling=(False if args.sync_scheduling else None),

@@ -126,9 +126,14 @@ def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
     barely move the logits; these scales make the parity tests sensitive to such bugs.
     """
     g = torch.Generator().manual_seed(seed)
+    # a frozen embedding is a table the model computes at init (RoFormer's sinusoid): kept
+    computed = {id(m.weight) for m in model.modules()
+                if isinstance(m, nn.Embedding) and not m.weight.requires_grad}  # fmt: skip
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if id(p) in computed:
+                continue
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif "embed_tokens" in name:

@@ -77,11 +77,14 @@ class AttentionBackend(ABC):
     capture when ``meta.is_decode`` (backends that cannot say so via ``supports_cuda_graph``).
     ``problem(spec, ...)`` says, before any call, which layers a backend cannot compute (the
     caller then picks another backend for that layer); it never returns wrong output instead.
+    A backend with ``accepts_sinks`` also takes ``forward(..., sinks=[num_heads] tensor)``:
+    attention sinks, one logit per head that joins the softmax and contributes no value.
     """
 
     name: str = "base"
     supports_cuda_graph: bool = False
     accepts_stored_kv: bool = False  # may the caller write the KV cache before ``forward``?
+    accepts_sinks: bool = False  # does ``forward`` take ``sinks=``?
 
     def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
         """Why this backend cannot compute a layer of ``spec`` (None = it can)."""

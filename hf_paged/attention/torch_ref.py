@@ -79,6 +79,7 @@ class TorchRefBackend(AttentionBackend):
 
     name = "torch"
     supports_cuda_graph = False
+    accepts_sinks = True
 
     def forward(
         self,
@@ -90,7 +91,7 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
-        sinks: torch.Tensor | None = None,  # [H]: attention sinks (only this backend has them)
+        sinks: torch.Tensor | None = None,  # [H]: attention sinks
     ) -> torch.Tensor:  # [T, H, Dv]
         has_cache = k_cache is not None and v_cache is not None
         if has_cache and not kv_stored:

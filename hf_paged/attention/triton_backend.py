@@ -7,8 +7,12 @@ reads the new K/V directly, is used for pure prefill (no cached tokens) on CUDA 
 when asked (``use_flash_prefill``) or when the block tables cannot cover the contexts (e.g. a
 warm-up pass run before the KV cache exists). The decode path (store + paged decode) does no
 host sync and sizes everything from tensor shapes, so it can be captured in a CUDA graph.
-``problem`` names the layers the kernels cannot compute (score softcap, V head dim != K head
-dim, odd head dims), so the caller gives those layers the torch reference instead.
+
+The kernels compute every spec the generic path records: score softcap (Gemma2), ALiBi
+(Bloom, MPT; the slopes live in a small fp32 device tensor made once per spec and device),
+attention sinks (GPT-OSS), V head dim != K head dim (MLA) and head dims that are not powers of
+2. ``problem`` names what remains (head dims > 256, odd block sizes, other dtypes), so the
+caller gives those layers the torch reference instead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from hf_paged.attention.torch_ref import TorchRefBackend
+from hf_paged.kernels.attention_common import MAX_HEAD_DIM
 from hf_paged.kernels.kv_store import store_kvcache
 from hf_paged.kernels.paged_decode import paged_decode
 from hf_paged.kernels.paged_prefill import paged_prefill
@@ -49,26 +54,30 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     accepts_stored_kv = True  # the fused rotary kernel writes K/V (one launch fewer per layer)
+    accepts_sinks = True
 
     def __init__(self, use_flash_prefill: bool = False) -> None:
         self.use_flash_prefill = use_flash_prefill  # prefer aten flash for pure prefill
         # None = not tried yet; False after the aten kernel failed once (then never again).
         self._flash_ok: bool | None = None
+        # (slopes, device) -> [num_heads] fp32: made on first use (eager warm-up), then reused,
+        # so a captured decode graph reads a tensor whose address never changes
+        self._alibi: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
     def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
         """Why the Triton kernels cannot compute a layer of ``spec`` (None = they can): they
-        have no score softcap and need V's head dim equal to K's, a power of 2 >= 16."""
-        if spec.softcap is not None:
-            return f"softcap={spec.softcap} (the Triton kernels have no score softcap)"
-        if spec.alibi_slopes is not None:
-            return "ALiBi (the Triton kernels have no position bias)"
-        if spec.v_head_dim != spec.head_dim:
-            return f"head_dim_v={spec.v_head_dim} != head_dim={spec.head_dim}"
-        d = spec.head_dim
-        if d < 16 or d & (d - 1):
-            return f"head_dim={d} (the Triton kernels need a power of 2 >= 16)"
+        take K and V head dims up to 256, power-of-2 KV blocks of >= 8 tokens, GQA groups of up
+        to 64 query heads, fp16/bf16/fp32, and ALiBi slopes only one per query head."""
+        for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.v_head_dim)):
+            if d > MAX_HEAD_DIM:
+                return f"{name}={d} (the Triton kernels take head dims up to {MAX_HEAD_DIM})"
+        slopes = spec.alibi_slopes
+        if slopes is not None and len(slopes) != spec.num_heads:
+            return f"{len(slopes)} ALiBi slopes for num_heads={spec.num_heads}"
         if block_size < 8 or block_size & (block_size - 1):
             return f"kv_block_size={block_size} (the Triton kernels need a power of 2 >= 8)"
+        if spec.num_heads > 64 * spec.num_kv_heads:
+            return f"GQA group of {spec.num_heads // spec.num_kv_heads} (the kernels take <= 64)"
         if spec.num_heads % spec.num_kv_heads:
             return f"num_heads={spec.num_heads} not a multiple of num_kv_heads={spec.num_kv_heads}"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -85,11 +94,14 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionLayerSpec,
         kv_stored: bool = False,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        sinks: torch.Tensor | None = None,  # [num_heads] sink logits (GPT-OSS's ``s_aux``)
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
         if k_cache is None or v_cache is None:
-            return self._forward_no_cache(q, k, v, meta, spec)
+            return self._forward_no_cache(q, k, v, meta, spec, sinks)
         if not kv_stored:
             store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        mods = dict(softcap=spec.softcap, alibi_slopes=self._alibi_slopes(spec, q.device),
+                    sinks=sinks)  # fmt: skip
         if meta.is_decode:
             return paged_decode(
                 q,
@@ -99,13 +111,14 @@ class TritonBackend(AttentionBackend):
                 meta.context_lens,
                 spec.scale,
                 spec.sliding_window,
+                **mods,
             )
         # host ints only: does the paged cache hold every key the queries need?
         cache_covers = (
             k_cache.numel() > 0
             and meta.block_tables.shape[1] * k_cache.shape[1] >= meta.max_context_len
         )
-        if (self.use_flash_prefill or not cache_covers) and self._flash_usable(q):
+        if (self.use_flash_prefill or not cache_covers) and self._flash_usable(q, spec, sinks):
             if _is_pure_prefill(meta):
                 out = self._flash_prefill(q, k, v, meta, spec)
                 if out is not None:
@@ -125,20 +138,34 @@ class TritonBackend(AttentionBackend):
             meta.max_seqlen_q,
             spec.scale,
             spec.sliding_window,
+            **mods,
         )
 
-    def _forward_no_cache(self, q, k, v, meta, spec) -> torch.Tensor:
+    def _alibi_slopes(self, spec: AttentionLayerSpec, device: torch.device) -> torch.Tensor | None:
+        """The layer's ALiBi slopes as a [num_heads] fp32 tensor on ``device``, made once."""
+        if spec.alibi_slopes is None:
+            return None
+        key = (spec.alibi_slopes, device)
+        if key not in self._alibi:
+            self._alibi[key] = torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=device)
+        return self._alibi[key]
+
+    def _forward_no_cache(self, q, k, v, meta, spec, sinks) -> torch.Tensor:
         """No KV cache yet (a profile pass): whole prompts only, through aten flash attention
         when it takes the inputs, else the torch reference."""
-        if self._flash_usable(q) and _is_pure_prefill(meta):
+        if self._flash_usable(q, spec, sinks) and _is_pure_prefill(meta):
             out = self._flash_prefill(q, k, v, meta, spec)
             if out is not None:
                 return out
-        return TorchRefBackend().forward(q, k, v, None, None, meta, spec)
+        return TorchRefBackend().forward(q, k, v, None, None, meta, spec, sinks=sinks)
 
-    def _flash_usable(self, q: torch.Tensor) -> bool:
+    def _flash_usable(self, q: torch.Tensor, spec: AttentionLayerSpec, sinks) -> bool:
+        """aten flash attention has no score modifiers and needs V's head dim equal to K's."""
+        plain = spec.softcap is None and spec.alibi_slopes is None and sinks is None
         return (
-            self._flash_ok is not False
+            plain
+            and spec.v_head_dim == spec.head_dim
+            and self._flash_ok is not False
             and q.is_cuda
             and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] % 8 == 0

@@ -83,7 +83,9 @@ class ModelRunner:
 
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
-        self.ctx = ModelContext(backend, self.comm, kv_block_size=self.block_size)
+        self.ctx = ModelContext(
+            backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
+        )
         self.model = build_model(
             spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
         )

@@ -44,9 +44,20 @@ def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> li
     ids = list(prompt_token_ids)
     if not ids:
         raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
-    # plain ints in range (the common case) are checked by C loops; anything else one by one
-    plain = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size
-    for pos, t in enumerate(() if plain else ids):
+    # fast path, in C: plain ints in range (bool is a subclass of int, not ``int`` itself)
+    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        _check_each_id(ids, vocab_size)
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt length {len(ids)} is not allowed: it must be < max_model_len={max_model_len} "
+            "(room for at least one new token)"
+        )
+    return ids
+
+
+def _check_each_id(ids: list, vocab_size: int) -> None:
+    """Convert ``ids`` to ints in place, raising on the first one that is not allowed."""
+    for pos, t in enumerate(ids):
         try:  # ints, numpy ints and integer 0-d tensors; not bools, floats or strings
             ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
         except TypeError:
@@ -57,12 +68,6 @@ def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> li
                 f"[0, {vocab_size}) (the model's vocab_size)"
             )
         ids[pos] = operator.index(t)
-    if len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt length {len(ids)} is not allowed: it must be < max_model_len={max_model_len} "
-            "(room for at least one new token)"
-        )
-    return ids
 
 
 def draw_seeds(n: int, sampled: bool) -> list[int | None]:

@@ -50,11 +50,16 @@ if triton is not None:
         stride_cb,  # cache strides: block, slot-in-block, head (head_dim is contiguous)
         stride_cs,
         stride_ch,
+        stride_vcb,  # V-cache strides (its head dim may differ from K's)
+        stride_vcs,
+        stride_vch,
         num_kv_heads,
         HEAD_DIM: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
@@ -68,35 +73,40 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
-        v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
         dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        mask_v = (h < num_kv_heads) & (dv < HEAD_DIM_V)
+        v = tl.load(v_ptr + token * stride_vt + h * stride_vh + dv, mask=mask_v)
+        dst_v = block * stride_vcb + offset * stride_vcs + h * stride_vch + dv
+        tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
 def store_kvcache(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim_v]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
     """Scatter ``k``/``v`` into the paged caches at ``slot_mapping`` (in place, no host sync).
 
     ``k``/``v`` may be strided views (e.g. slices of a fused qkv projection) as long as their
-    last dim is contiguous. ``k_cache`` and ``v_cache`` must share shape and strides.
+    last dim is contiguous. ``v`` / ``v_cache`` may have a head dim other than ``k``'s.
 
     Raises:
         ValueError: on mismatched shapes or a non-contiguous head dim.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
-    if v.shape != k.shape or k_cache.shape != v_cache.shape:
+    head_dim_v = v.shape[-1]
+    if v.shape[:2] != k.shape[:2] or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"shape mismatch: k {k.shape} v {v.shape} caches {k_cache.shape}")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same strides")
-    if k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape[3] != head_dim_v:
+        raise ValueError(
+            f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match k "
+            f"{tuple(k.shape)} / v {tuple(v.shape)}"
+        )
+    if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
         raise ValueError("head_dim must be the contiguous dim of k, v and the caches")
     if slot_mapping.shape[0] < num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} < {num_tokens} entries")
@@ -116,11 +126,16 @@ def store_kvcache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         num_kv_heads,
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(head_dim_v),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
         **pdl_kwargs(k),
     )

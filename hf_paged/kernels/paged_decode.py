@@ -10,7 +10,10 @@ each writes a partial (max, sum, acc) and a reduce kernel merges them (split-K /
 with one partition the main kernel writes the output directly.
 
 Softmax runs in base 2: scores are multiplied by ``scale * log2(e)`` and exponentiated with
-``exp2``; partial maxima are kept in that domain. Accumulation is fp32.
+``exp2``; partial maxima are kept in that domain. Accumulation is fp32. Score softcap, ALiBi,
+attention sinks, head dims that are not powers of 2 and a V head dim != K's are compile-time
+options (``attention_common.py``); a sink joins the softmax as one more key of weight
+``exp(sink)`` with no value, in the main kernel without split-K and in the reduce with it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ import functools
 
 import torch
 
+from hf_paged.kernels.attention_common import (
+    LOG2E,
+    check_attention_inputs,
+    dim_args,
+    score_args,
+)
 from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
@@ -27,7 +36,6 @@ try:
 except ImportError:  # CPU-only installs: only the reference is usable
     triton = None
 
-LOG2E = 1.4426950408889634
 MIN_PARTITION = 64  # fewest keys a split-K partition covers: one bf16 tile (batch-1 latency)
 MAX_PARTITIONS = 64  # bound on the split; keeps the reduce kernel's tile in registers
 
@@ -61,6 +69,7 @@ def paged_decode_ref(
 
 
 if triton is not None:
+    from hf_paged.kernels.attention_common import load_tile, per_head_log2, scores_log2
     from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
@@ -83,10 +92,14 @@ if triton is not None:
         block_tables_ptr,
         context_lens_ptr,
         out_ptr,
-        part_out_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS, HEAD_DIM] fp32
+        part_out_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS, HEAD_DIM_V] fp32
         part_m_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS] fp32 (log2 domain)
         part_l_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS] fp32
+        alibi_ptr,  # [num_heads] ALiBi slopes (read only with ALIBI)
+        sinks_ptr,  # [num_heads] sink logits (read only with SINKS)
         scale_log2,
+        softcap_scale,  # scale / softcap (read only with SOFTCAP)
+        softcap_log2,  # softcap * log2(e)
         stride_qt,
         stride_qh,
         stride_ot,
@@ -94,12 +107,23 @@ if triton is not None:
         stride_cb,
         stride_cs,
         stride_ch,
+        stride_vb,  # V-cache strides (read only with SEPARATE_V; else K's)
+        stride_vs,
+        stride_vh,
         stride_bt,
         num_heads,
         WINDOW: tl.constexpr,  # 0 = no sliding window
         GROUP: tl.constexpr,  # query heads per kv head
         BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of 2
+        HEAD_DIM_V: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        SEPARATE_V: tl.constexpr,  # V cache strides differ from K's
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        SINKS: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         NUM_PARTITIONS: tl.constexpr,
@@ -122,44 +146,71 @@ if triton is not None:
                 return
 
         g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
         head = kv_head * GROUP + g  # [BLOCK_G]
         g_mask = g < GROUP
         q_off = seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+        q = load_tile(q_ptr + q_off, g_mask[:, None], (d < HEAD_DIM)[None, :], True,
+                      BLOCK_D != HEAD_DIM)  # fmt: skip
+        slope = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if ALIBI:
+            slope = per_head_log2(alibi_ptr, head, g_mask)
 
         # finite init: a fully masked tile then gives p = 0, alpha = 1 instead of NaN
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        if SINKS:
+            if NUM_PARTITIONS == 1:  # the sink as one more key: weight exp(sink), no value
+                m_i = per_head_log2(sinks_ptr, head, g_mask)
+                l_i = l_i + 1.0
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         kv_head_off = kv_head.to(tl.int64) * stride_ch
+        v_head_off = kv_head.to(tl.int64) * stride_vh
         for tile_start in range(start, end, TILE_N):
             k_pos = tile_start + tl.arange(0, TILE_N)
             valid = k_pos < end
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             kv_off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, TILE_N]
+            k = load_tile(k_cache_ptr + kv_off[None, :] + d[:, None], valid[None, :],
+                          (d < HEAD_DIM)[:, None], True, BLOCK_D != HEAD_DIM)  # fmt: skip
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, TILE_N]
+            rel = (k_pos - (ctx - 1)).to(tl.float32)[None, :]
+            s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2,
+                            SOFTCAP, ALIBI, TANH_LIBDEVICE)  # fmt: skip
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v_off = kv_off
+            if SEPARATE_V:
+                v_off = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + v_head_off
+            v = load_tile(v_cache_ptr + v_off[:, None] + dv[None, :], valid[:, None],
+                          (dv < HEAD_DIM_V)[None, :], True, BLOCK_DV != HEAD_DIM_V)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        dv_ok = (dv < HEAD_DIM_V)[None, :]
         if NUM_PARTITIONS == 1:
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # no keys (padding sequence) -> zeros
-            o_off = seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+            o_off = seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dv[None, :]
             o = acc / l_safe[:, None]
-            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            if BLOCK_DV != HEAD_DIM_V:
+                o_mask = g_mask[:, None] & dv_ok
+            else:
+                o_mask = g_mask[:, None]
+            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             row = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS + part  # [BLOCK_G]
             tl.store(part_m_ptr + row, m_i, mask=g_mask)
             tl.store(part_l_ptr + row, l_i, mask=g_mask)
-            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+            part_off = row[:, None] * HEAD_DIM_V + dv[None, :]
+            if BLOCK_DV != HEAD_DIM_V:
+                tl.store(part_out_ptr + part_off, acc, mask=g_mask[:, None] & dv_ok)
+            else:
+                tl.store(part_out_ptr + part_off, acc, mask=g_mask[:, None])
 
     @triton.jit
     def _paged_decode_reduce_kernel(
@@ -168,11 +219,14 @@ if triton is not None:
         part_m_ptr,
         part_l_ptr,
         context_lens_ptr,
+        sinks_ptr,  # [num_heads] sink logits (read only with SINKS)
         stride_ot,
         stride_oh,
         num_heads,
         WINDOW: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        SINKS: tl.constexpr,
         TILE_N: tl.constexpr,
         NUM_PARTITIONS: tl.constexpr,
         MIN_PART: tl.constexpr,
@@ -191,14 +245,27 @@ if triton is not None:
         m = tl.load(part_m_ptr + row, mask=p_mask, other=float("-inf"))
         l_part = tl.load(part_l_ptr + row, mask=p_mask, other=0.0)
         m_max = tl.maximum(tl.max(m, 0), -1.0e30)  # finite even when no partition is active
+        if SINKS:  # the sink joins the denominator here: weight exp(sink), no value
+            sink = per_head_log2(sinks_ptr, head, head >= 0)
+            m_max = tl.maximum(m_max, sink)
         w = tl.where(p_mask, tl.exp2(m - m_max), 0.0)
         l_sum = tl.sum(w * l_part, 0)
-        d = tl.arange(0, HEAD_DIM)
-        acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=p_mask[:, None])
+        if SINKS:
+            l_sum = l_sum + tl.exp2(sink - m_max)
+        d = tl.arange(0, BLOCK_DV)
+        d_ok = d < HEAD_DIM_V
+        part_ptrs = part_out_ptr + row[:, None] * HEAD_DIM_V + d[None, :]
+        if BLOCK_DV != HEAD_DIM_V:
+            acc = tl.load(part_ptrs, mask=p_mask[:, None] & d_ok[None, :], other=0.0)
+        else:
+            acc = tl.load(part_ptrs, mask=p_mask[:, None])
         acc = tl.where(p_mask[:, None], acc, 0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0.0, l_sum, 1.0)  # [HEAD_DIM]
+        o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0.0, l_sum, 1.0)  # [BLOCK_DV]
         o_off = seq.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh + d
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty))
+        if BLOCK_DV != HEAD_DIM_V:
+            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+        else:
+            tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -217,11 +284,14 @@ def default_num_partitions(
     return max(1, min(want, triton.cdiv(max_context, MIN_PARTITION), MAX_PARTITIONS))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
     # Memory-bound: 64-key tiles pipelined 3 deep, 2 warps (more programs resident per SM).
     # H200 sweep (evaluation/bench_kernels.py --sweep, batch 256, ctx ~600, bf16): 4.10 TB/s at
-    # d=128 and 3.82 TB/s at d=64, against 3.89 / 3.64 with 4 warps.
+    # d=128 and 3.82 TB/s at d=64, against 3.89 / 3.64 with 4 warps. Padded dims of 256 halve
+    # the tile and its pipeline depth so K and V tiles stay within shared memory.
     if dtype == torch.float32:
+        return dict(TILE_N=32, num_warps=4, num_stages=2)
+    if block_d > 128:
         return dict(TILE_N=32, num_warps=4, num_stages=2)
     return dict(TILE_N=64, num_warps=2, num_stages=3)
 
@@ -229,38 +299,47 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
 def paged_decode(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [>= num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [>= num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    sinks: torch.Tensor | None = None,  # [num_heads] float
     num_partitions: int | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim_v]
     """Attention of one new query token per sequence over its paged KV cache.
 
     Sequence ``i``'s query sits at position ``context_lens[i] - 1`` and sees keys
     ``[max(0, context_lens[i] - sliding_window), context_lens[i])``; a sequence with
     ``context_lens[i] == 0`` (CUDA-graph padding) gets zeros. No host sync, no value-dependent
-    shapes: safe inside CUDA-graph capture.
+    shapes: safe inside CUDA-graph capture. Score modifiers as in ``attention_common``.
 
     Args:
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma2).
+        alibi_slopes: ALiBi, ``scores += slope_h * (k_pos - q_pos)``, one slope per query head.
+        sinks: one logit per query head that joins the softmax and gives no value (GPT-OSS).
         num_partitions: split-K factor; default picks one from the shapes and the SM count.
         out: optional preallocated output (may be a strided view with contiguous head_dim).
         config: tuning override of ``TILE_N`` / ``num_warps`` / ``num_stages`` (benchmarks).
 
     Raises:
-        ValueError: on unsupported head_dim / block_size / dtype or mismatched shapes.
+        ValueError: on unsupported head dims / block_size / dtype or mismatched shapes.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    check_attention_inputs(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_head_dim)
+    num_seqs, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_attention_inputs(q, k_cache, v_cache)
     if block_tables.shape[0] < num_seqs or context_lens.shape[0] < num_seqs:
         raise ValueError("block_tables / context_lens have fewer rows than q")
+    v_strides, dims = dim_args(q, k_cache, v_cache)
+    mod_args, mods = score_args(q, scale, softcap, alibi_slopes, sinks)
+    head_dim_v = dims["HEAD_DIM_V"]
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(num_seqs, num_heads, head_dim_v)
     if num_seqs == 0:
         return out
     if num_partitions is None:
@@ -269,9 +348,10 @@ def paged_decode(
     if not 1 <= num_partitions <= 2 * MAX_PARTITIONS:
         raise ValueError(f"num_partitions must be in [1, {2 * MAX_PARTITIONS}]: {num_partitions}")
     group = num_heads // num_kv_heads
-    cfg = {**_decode_config(head_dim, q.dtype), **(config or {})}
+    cfg = {**_decode_config(dims["BLOCK_D"], q.dtype), **(config or {})}
     if num_partitions > 1:
-        part_out = q.new_empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32)
+        part_out = q.new_empty(num_seqs, num_heads, num_partitions, head_dim_v,
+                               dtype=torch.float32)  # fmt: skip
         part_m = q.new_empty(num_seqs, num_heads, num_partitions, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
     else:  # unused by the kernel
@@ -280,78 +360,36 @@ def paged_decode(
     pdl_args = pdl_kwargs(q)
     min_part = triton.cdiv(MIN_PARTITION, cfg["TILE_N"]) * cfg["TILE_N"]
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        part_out,
-        part_m,
-        part_l,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        num_heads,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_m, part_l,
+        mod_args[0], mod_args[1], scale * LOG2E, mod_args[2], mod_args[3],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_strides,
+        block_tables.stride(0), num_heads,
         WINDOW=window,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_PARTITIONS=num_partitions,
         MIN_PART=min_part,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **dims,
+        **mods,
         **cfg,
         **pdl_args,
-    )
+    )  # fmt: skip
     if num_partitions > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            out,
-            part_out,
-            part_m,
-            part_l,
-            context_lens,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
+            out, part_out, part_m, part_l, context_lens, mod_args[1],
+            out.stride(0), out.stride(1), num_heads,
             WINDOW=window,
-            HEAD_DIM=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_DV=dims["BLOCK_DV"],
+            SINKS=mods["SINKS"],
             TILE_N=cfg["TILE_N"],
             NUM_PARTITIONS=num_partitions,
             MIN_PART=min_part,
             BLOCK_P=triton.next_power_of_2(num_partitions),
             num_warps=4,
             **pdl_args,
-        )
+        )  # fmt: skip
     return out
-
-
-def check_attention_inputs(
-    q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_head_dim
-) -> None:
-    """Shared argument checks of the paged attention kernels (decode and prefill)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed; use the *_ref functions")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share shape and strides")
-    block_size = k_cache.shape[1]
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of 2 >= 8, got {block_size}")
-    if cache_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of 2 >= 16, got {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:
-        raise ValueError(
-            f"q/cache dtypes must match and be fp16/bf16/fp32: {q.dtype}, {k_cache.dtype}"
-        )
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("head_dim must be the contiguous dim of q and the caches")

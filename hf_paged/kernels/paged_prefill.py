@@ -10,13 +10,21 @@ Grid: ``(cdiv(max_seqlen_q, BLOCK_Q), num_kv_heads, num_seqs)``. A program's ``B
 ``r // BLOCK_G``, head ``r % BLOCK_G``), so each KV tile feeds the whole GQA group. Key tiles are
 visited in three runs: a masked run at the lower sliding-window edge, an unmasked run of tiles
 every row sees in full (no mask math, no load masks), and a masked run on the causal diagonal.
+Score softcap, ALiBi, attention sinks (the running max starts at the sink, the running sum at
+1), head dims that are not powers of 2 and a V head dim != K's are compile-time options
+(``attention_common.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels.paged_decode import LOG2E, check_attention_inputs
+from hf_paged.kernels.attention_common import (
+    LOG2E,
+    check_attention_inputs,
+    dim_args,
+    score_args,
+)
 from hf_paged.kernels.pdl import pdl_kwargs
 
 try:
@@ -35,12 +43,13 @@ def paged_prefill_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q.dtype
-    """Torch reference of :func:`paged_prefill` (fp32 math, one sequence at a time)."""
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v], q.dtype
+    """Torch reference of :func:`paged_prefill` without score modifiers (fp32 math, one sequence
+    at a time); with softcap / ALiBi / sinks the oracle is ``attention.torch_ref``."""
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:2], v_cache.shape[-1])  # [num_tokens, num_heads, head_dim_v]
     cu = cu_seqlens_q.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         q_len = cu[i + 1] - cu[i]
@@ -62,6 +71,7 @@ def paged_prefill_ref(
 
 
 if triton is not None:
+    from hf_paged.kernels.attention_common import load_tile, per_head_log2, scores_log2
     from hf_paged.kernels.pdl import pdl_enter
 
     @triton.jit
@@ -71,35 +81,55 @@ if triton is not None:
         m_i,
         q,
         q_pos,  # [BLOCK_M] query positions
+        slope,  # [BLOCK_M] ALiBi slope * log2(e) per row (read only with ALIBI)
         tile_start,
         k_hi,  # keys >= k_hi are past every query of this program
         k_cache_ptr,
         v_cache_ptr,
         bt_row,
         kv_head_off,
+        v_head_off,
         stride_cb,
         stride_cs,
+        stride_vb,
+        stride_vs,
         scale_log2,
+        softcap_scale,
+        softcap_log2,
         MASK: tl.constexpr,
         WINDOW: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        SEPARATE_V: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
         k_pos = tile_start + tl.arange(0, TILE_N)
+        k_ok = k_pos < k_hi
         if MASK:
-            k_ok = k_pos < k_hi
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-        if MASK:
-            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None])  # [D, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        k = load_tile(
+            k_cache_ptr + kv_off[None, :] + d[:, None],
+            k_ok[None, :],
+            (d < HEAD_DIM)[:, None],
+            MASK,
+            BLOCK_D != HEAD_DIM,
+        )  # [D, TILE_N]
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
+        rel = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI,
+                        TANH_LIBDEVICE)  # fmt: skip
         if MASK:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
             if WINDOW > 0:
@@ -109,10 +139,16 @@ if triton is not None:
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :])  # [TILE_N, D]
+        v_off = kv_off
+        if SEPARATE_V:
+            v_off = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + v_head_off
+        v = load_tile(
+            v_cache_ptr + v_off[:, None] + dv[None, :],
+            k_ok[:, None],
+            (dv < HEAD_DIM_V)[None, :],
+            MASK,
+            BLOCK_DV != HEAD_DIM_V,
+        )  # [TILE_N, Dv]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 
@@ -125,7 +161,11 @@ if triton is not None:
         block_tables_ptr,
         cu_seqlens_q_ptr,
         context_lens_ptr,
+        alibi_ptr,  # [num_heads] ALiBi slopes (read only with ALIBI)
+        sinks_ptr,  # [num_heads] sink logits (read only with SINKS)
         scale_log2,
+        softcap_scale,  # scale / softcap (read only with SOFTCAP)
+        softcap_log2,  # softcap * log2(e)
         stride_qt,
         stride_qh,
         stride_ot,
@@ -133,6 +173,9 @@ if triton is not None:
         stride_cb,
         stride_cs,
         stride_ch,
+        stride_vb,  # V-cache strides (read only with SEPARATE_V; else K's)
+        stride_vs,
+        stride_vh,
         stride_bt,
         WINDOW: tl.constexpr,  # 0 = no sliding window
         GROUP: tl.constexpr,  # query heads per kv head
@@ -140,6 +183,14 @@ if triton is not None:
         BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q tokens x BLOCK_G heads
         BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of 2
+        HEAD_DIM_V: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        SEPARATE_V: tl.constexpr,  # V cache strides differ from K's
+        SOFTCAP: tl.constexpr,
+        ALIBI: tl.constexpr,
+        SINKS: tl.constexpr,
+        TANH_LIBDEVICE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -160,10 +211,14 @@ if triton is not None:
         g = r % BLOCK_G
         row_ok = (tok < q_len) & (g < GROUP)
         head = kv_head * GROUP + g
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, BLOCK_D)
         row_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-        q = tl.load(q_ptr + row_off + d[None, :], mask=row_ok[:, None], other=0.0)
+        q = load_tile(q_ptr + row_off + d[None, :], row_ok[:, None], (d < HEAD_DIM)[None, :],
+                      True, BLOCK_D != HEAD_DIM)  # fmt: skip
         q_pos = ctx - q_len + tok  # [BLOCK_M]
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if ALIBI:
+            slope = per_head_log2(alibi_ptr, head, row_ok)
 
         # Key runs (all ends multiples of TILE_N except k_hi): [lo, full_lo) masked,
         # [full_lo, full_hi) seen by every row, [full_hi, k_hi) masked (causal diagonal).
@@ -180,40 +235,60 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: masked rows stay NaN-free
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if SINKS:  # the sink as one more key: weight exp(sink), no value
+            m_i = per_head_log2(sinks_ptr, head, row_ok)
+            l_i = l_i + 1.0
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         kv_head_off = kv_head.to(tl.int64) * stride_ch
+        v_head_off = kv_head.to(tl.int64) * stride_vh
         for start in range(lo, full_lo, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
-                kv_head_off, stride_cb, stride_cs, scale_log2, True, WINDOW, HEAD_DIM,
-                BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
+                softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
         for start in range(full_lo, full_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
-                kv_head_off, stride_cb, stride_cs, scale_log2, False, WINDOW, HEAD_DIM,
-                BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
+                softcap_scale, softcap_log2, False, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
         for start in range(full_hi, k_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
-                kv_head_off, stride_cb, stride_cs, scale_log2, True, WINDOW, HEAD_DIM,
-                BLOCK_SIZE, TILE_N, DOT_PRECISION,
+                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
+                softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
+                DOT_PRECISION,
             )  # fmt: skip
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
+        dv = tl.arange(0, BLOCK_DV)
         o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(out_ptr + o_off + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if BLOCK_DV != HEAD_DIM_V:
+            o_mask = row_ok[:, None] & (dv < HEAD_DIM_V)[None, :]
+        else:
+            o_mask = row_ok[:, None]
+        tl.store(out_ptr + o_off + dv[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+def _prefill_config(block_d: int, dtype: torch.dtype) -> dict:
     # H200 sweep, bf16 (evaluation/bench_kernels.py --sweep): d=128 -> 222 TFLOP/s on W1-like
-    # prompts, 322 on 512-token chunks over 1536 cached; d=64 -> 229 / 309.
+    # prompts, 322 on 512-token chunks over 1536 cached; d=64 -> 229 / 309. Padded dims of 256
+    # (Gemma2's 256, MLA's 192) take 64-row tiles so the fp32 accumulator stays in registers.
     if dtype == torch.float32:
+        if block_d > 128:
+            return dict(BLOCK_M=64, TILE_N=16, num_warps=4, num_stages=2)
         return dict(BLOCK_M=64, TILE_N=32, num_warps=4, num_stages=2)
-    if head_dim >= 128:
+    if block_d > 128:
+        return dict(BLOCK_M=64, TILE_N=32, num_warps=8, num_stages=2)
+    if block_d >= 128:
         return dict(BLOCK_M=128, TILE_N=32, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, TILE_N=64, num_warps=4, num_stages=2)
 
@@ -221,7 +296,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
 def paged_prefill(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
@@ -229,62 +304,57 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
+    sinks: torch.Tensor | None = None,  # [num_heads] float
     out: torch.Tensor | None = None,
     config: dict | None = None,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
     """Causal attention of a ragged batch of new queries over their paged KV cache.
 
     Query ``j`` of sequence ``i`` sits at ``context_lens[i] - q_len_i + j`` and sees keys at
     positions ``<=`` its own (and ``> pos - sliding_window`` when set). ``max_seqlen_q`` must be
     ``>= max(q_len_i)`` (it sizes the grid). Tokens not covered by ``cu_seqlens_q`` are not
-    written in ``out``. ``config`` overrides ``BLOCK_M`` / ``TILE_N`` / ``num_warps`` /
-    ``num_stages`` (benchmarks).
+    written in ``out``. ``softcap`` / ``alibi_slopes`` / ``sinks`` as in :func:`paged_decode`.
+    ``config`` overrides ``BLOCK_M`` / ``TILE_N`` / ``num_warps`` / ``num_stages`` (benchmarks).
 
     Raises:
-        ValueError: on unsupported head_dim / dtype or mismatched shapes.
+        ValueError: on unsupported head dims / dtype or mismatched shapes.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    check_attention_inputs(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_head_dim)
+    num_tokens, num_heads, _ = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_attention_inputs(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 entries, block_tables num_seqs rows")
+    v_strides, dims = dim_args(q, k_cache, v_cache)
+    mod_args, mods = score_args(q, scale, softcap, alibi_slopes, sinks)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, num_heads, dims["HEAD_DIM_V"])
     if num_seqs == 0 or max_seqlen_q == 0:
         return out
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
-    cfg = {**_prefill_config(head_dim, q.dtype), **(config or {})}
+    cfg = {**_prefill_config(max(dims["BLOCK_D"], dims["BLOCK_DV"]), q.dtype), **(config or {})}
     if block_g > cfg["BLOCK_M"]:
         raise ValueError(f"GQA group {group} larger than the {cfg['BLOCK_M']}-row tile")
     block_q = cfg["BLOCK_M"] // block_g
     grid = (triton.cdiv(max_seqlen_q, block_q), num_kv_heads, num_seqs)
     _paged_prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        mod_args[0], mod_args[1], scale * LOG2E, mod_args[2], mod_args[3],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_strides,
         block_tables.stride(0),
         WINDOW=sliding_window or 0,
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **dims,
+        **mods,
         **cfg,
         **pdl_kwargs(q),
-    )
+    )  # fmt: skip
     return out

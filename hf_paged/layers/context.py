@@ -29,6 +29,7 @@ class ModelContext:
     comm: Communicator = field(default_factory=Communicator)
     kv_block_size: int = 16
     fallbacks: dict[int, str] = field(default_factory=dict)  # KV layer -> why the torch ref
+    max_model_len: int | None = None  # longest sequence the engine runs (None: not known)
 
     @property
     def tp_rank(self) -> int:

@@ -212,3 +212,134 @@ def test_backend_decode_cuda_graph(batch):
         assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "k/v not stored at new slots"
         ref = paged_decode_ref(q, kc, vc, new.block_tables, new.context_lens, 0.088)
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+# ---- score modifiers, V head dim != K's, non-power-of-2 head dims (the generic path's specs) ----
+
+# name -> (AttentionLayerSpec args, sinks?, q multiplier that makes the modifier matter)
+MODIFIED_SPECS = {
+    "gemma2": (dict(num_heads=8, num_kv_heads=4, head_dim=256, scale=256**-0.5, softcap=50.0,
+                    sliding_window=None), False, 8.0),
+    "gemma2_window": (dict(num_heads=8, num_kv_heads=4, head_dim=256, scale=256**-0.5,
+                           softcap=50.0, sliding_window=100), False, 8.0),
+    "mla": (dict(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128,
+                 scale=192**-0.5), False, 1.0),
+    "gpt_oss": (dict(num_heads=16, num_kv_heads=2, head_dim=64, scale=0.125,
+                     sliding_window=128), True, 1.0),
+    "alibi_d80": (dict(num_heads=8, num_kv_heads=2, head_dim=80, scale=80**-0.5,
+                       alibi_slopes=tuple(2.0 ** (-(i + 1) / 2) for i in range(8))), False, 1.0),
+}  # fmt: skip
+MODIFIED_PREFILL = [(1, 1), (16, 16), (17, 17), (300, 300), (64, 1024), (250, 777)]
+MODIFIED_DECODE = [1, 17, 256, 257, 1000, 3000]
+
+
+def _modified_case(name, seqs, dtype, seed=0):
+    """Spec, caches (K and V apart when their head dims differ), metadata, q/k/v and sinks."""
+    from hf_paged.attention.base import AttentionLayerSpec
+
+    kw, with_sinks, q_mult = MODIFIED_SPECS[name]
+    spec = AttentionLayerSpec(**kw)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    block_size = 16
+    q, kc, _, bt, _, _, _ = _batch(seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype,
+                                   block_size, seed)  # fmt: skip
+    vc = torch.randn(*kc.shape[:3], spec.v_head_dim, generator=gen, device="cuda").to(dtype)
+    meta = _meta(seqs, bt, block_size, is_decode=all(q_len == 1 for q_len, _ in seqs))
+    q = (q.float() * q_mult).to(dtype)
+    k = torch.randn(q.shape[0], spec.num_kv_heads, spec.head_dim, generator=gen, device="cuda")
+    v = torch.randn(q.shape[0], spec.num_kv_heads, spec.v_head_dim, generator=gen, device="cuda")
+    sinks = torch.randn(spec.num_heads, generator=gen, device="cuda") * 2 if with_sinks else None
+    return spec, kc, vc, meta, q, k.to(dtype), v.to(dtype), sinks
+
+
+def _reference(spec, kc, vc, meta, q, k, v, sinks):
+    """The torch reference in fp32 over the caches ``forward`` filled (new K/V stored)."""
+    from hf_paged.attention.torch_ref import TorchRefBackend
+
+    f = [t.float() for t in (q, k, v, kc, vc)]
+    return TorchRefBackend().forward(*f, meta, spec, kv_stored=True, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(MODIFIED_SPECS))
+def test_backend_modified_specs_prefill(name, dtype):
+    from hf_paged.attention.triton_backend import TritonBackend
+
+    spec, kc, vc, meta, q, k, v, sinks = _modified_case(name, MODIFIED_PREFILL, dtype)
+    backend = TritonBackend()
+    assert backend.problem(spec, dtype, 16) is None
+    out = backend.forward(q, k, v, kc, vc, meta, spec, sinks=sinks)
+    assert out.shape == (q.shape[0], spec.num_heads, spec.v_head_dim)
+    assert _rel_err(out, _reference(spec, kc, vc, meta, q, k, v, sinks)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(MODIFIED_SPECS))
+def test_backend_modified_specs_decode_split_k(name, dtype):
+    from hf_paged.attention.triton_backend import TritonBackend
+    from hf_paged.kernels.paged_decode import paged_decode
+
+    seqs = [(1, n) for n in MODIFIED_DECODE]
+    spec, kc, vc, meta, q, k, v, sinks = _modified_case(name, seqs, dtype)
+    backend = TritonBackend()
+    out = backend.forward(q, k, v, kc, vc, meta, spec, sinks=sinks)  # default split
+    ref = _reference(spec, kc, vc, meta, q, k, v, sinks)
+    assert _rel_err(out, ref) < TOL[dtype], "default num_partitions"
+    slopes = backend._alibi_slopes(spec, q.device)
+    for parts in (1, 7):
+        out = paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, spec.scale,
+                           spec.sliding_window, softcap=spec.softcap, alibi_slopes=slopes,
+                           sinks=sinks, num_partitions=parts)  # fmt: skip
+        assert _rel_err(out, ref) < TOL[dtype], f"num_partitions={parts}"
+
+
+@pytest.mark.parametrize("name", ["gemma2_window", "gpt_oss", "mla", "alibi_d80"])
+def test_backend_modified_decode_cuda_graph(name):
+    """Store + decode with softcap / sinks / Dv != D / ALiBi captured once, replayed on new
+    metadata: the sink and slope tensors keep their addresses, so replays stay exact."""
+    from hf_paged.attention.triton_backend import TritonBackend
+
+    batch = 8
+    spec, kc, vc, static, q, k, v, sinks = _modified_case(name, [(1, 1000)] * batch,
+                                                          torch.bfloat16)  # fmt: skip
+    backend = TritonBackend()
+    backend.forward(q, k, v, kc, vc, static, spec, sinks=sinks)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kc, vc, static, spec, sinks=sinks)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        lens = torch.randint(1, 1000, (batch,), generator=gen).tolist()
+        perm = torch.randperm(batch, generator=gen).cuda()
+        new = _meta([(1, n) for n in lens], static.block_tables[perm], kc.shape[1], True)
+        for name_ in ("slot_mapping", "context_lens", "block_tables"):
+            getattr(static, name_).copy_(getattr(new, name_))
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, _reference(spec, kc, vc, new, q, k, v, sinks)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_generic_models_run_every_layer_in_the_kernels(model_type):
+    """Gemma2 (softcap) and GPT-OSS (sinks, window) tiny models on CUDA: no layer falls back to
+    the torch reference, sink layers run the Triton backend, and tokens equal stock's."""
+    from hf_paged import LLM, SamplingParams
+    from tests.model.coverage_models import build_tiny
+
+    _, hf = build_tiny(model_type)
+    hf = hf.cuda()
+    prompts = [[5, 6, 7], [9] * 17, list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    with LLM(hf, max_model_len=128, kv_block_size=16, num_kv_blocks=64) as llm:
+        runner = llm.engine.executor.runner
+        assert runner.ctx.fallbacks == {}, runner.ctx.fallbacks
+        if model_type == "gemma2":  # dense: nothing syncs the host, so decode is captured
+            assert runner.graph_runner is not None, runner.cuda_graph_reason
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for p, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([p], device="cuda")
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                          min_new_tokens=16, do_sample=False, pad_token_id=0)  # fmt: skip
+        assert tokens == seq[0, len(p) :].tolist()

@@ -45,14 +45,15 @@ def run(path, **kw):
         return out, runner.graph_runner is not None, runner.cuda_graph_reason, runner, kv_dims
 
 
-@pytest.mark.parametrize("layers", ["triton", "mixed"])
+@pytest.mark.parametrize("layers", ["triton", "modifiers", "mixed"])
 def test_toy_model_greedy_matches_dense_oracle(layers, tmp_path):
-    table = toy_model.TRITON_LAYERS if layers == "triton" else toy_model.LAYERS
+    table = {"triton": toy_model.TRITON_LAYERS, "modifiers": toy_model.LAYERS,
+             "mixed": toy_model.FALLBACK_LAYERS}[layers]  # fmt: skip
     ref = toy_model.save_toy_model(tmp_path, layers=table)
     got, graphs, reason, runner, kv_dims = run(str(tmp_path))
     assert runner.attn_backend.name == "triton"
     assert kv_dims[1] == [table[1][2], table[1][3]]
-    if layers == "triton":
+    if layers != "mixed":  # softcap and V head dim != K's run in the kernels, graphs included
         assert graphs and reason is None
     else:
         assert not graphs and "layers [1] use the torch reference" in reason

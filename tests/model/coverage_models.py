@@ -83,6 +83,14 @@ _KEEP_NONE = {"sliding_window", "q_lora_rank", "rotary_dim", "partial_rotary_fac
 _EXTRA: dict[str, dict] = {
     "xmod": {"default_language": "en_XX"},
     "zaya": {"num_experts_per_tok": 1},
+    # DbrxAttention reads attn_config.rope_theta and clamps by clip_qkv, which real DBRX configs
+    # set (500000, 8) and the default DbrxAttentionConfig lacks; ffn_config.hidden_size follows
+    # d_model as it is at init
+    "dbrx": {
+        "d_model": HIDDEN,
+        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "gemma4_unified_assistant": {"hidden_size_per_layer_input": 0},
 }
@@ -107,7 +115,10 @@ def not_text_reason(config) -> str | None:
     """Why ``config`` is not a decoder-only text architecture, or None."""
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"
-    subs = sorted(getattr(config, "sub_configs", {}) or {})
+    # a sub-config class without a model_type of its own is no model: it configures this
+    # model's layers (MPT's and DBRX's attn_config / ffn_config)
+    subs = sorted(k for k, v in (getattr(config, "sub_configs", {}) or {}).items()
+                  if getattr(v, "model_type", None) != "")  # fmt: skip
     if any(k != "text_config" for k in subs) or (subs and "text_config" not in subs):
         return f"multimodal or composite ({', '.join(subs)})"
     text = getattr(config, "text_config", None)

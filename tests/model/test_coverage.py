@@ -10,14 +10,14 @@ import pytest
 
 from tests.model.coverage_models import causal_lm_entries, markdown_table, run_all, summary
 
-# share of the architectures that build tiny which must be served (76% measured 2026-12-01 on
-# transformers 5.24: see the table the test prints)
-MIN_SERVED_PCT = 75
+# share of the architectures that build tiny which must be served: the goal (119 of 140
+# = 85% measured 2026-12-01 on transformers 5.24: see the table the test prints)
+MIN_SERVED_PCT = 85
 # popular architectures (the list) that must be served where transformers has them
 MUST_SERVE = {
     "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "olmo2", "granite",
     "starcoder2", "cohere", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-    "deepseek_v3", "gpt_oss", "llama", "mistral", "qwen2", "qwen3",
+    "deepseek_v3", "gpt_oss", "llama", "mistral", "qwen2", "qwen3", "falcon",
 }  # fmt: skip
 
 

@@ -168,8 +168,11 @@ def test_fusions_keep_tokens(model_type):
             base = attn.q_proj.weight.untyped_storage().data_ptr()
             assert attn.v_proj.weight.untyped_storage().data_ptr() == base
             assert model.fusion_stats["fused_groups"] >= config.num_hidden_layers
-            if model_type == "qwen2":  # Llama's RMSNorm, copied: runs the kernel on CUDA
+            if model_type == "qwen2":  # Llama's RMSNorm and MLP, copied: the kernels on CUDA
                 assert model.fusion_stats["paged_rms_norms"] == 2 * config.num_hidden_layers + 1
+                assert model.fusion_stats["silu_and_mul_mlps"] == config.num_hidden_layers
+                mlp = model.hf_model.get_submodule("model.layers.0.mlp")
+                assert type(mlp).__name__ == "PagedQwen2MLP"
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 

@@ -23,8 +23,10 @@ ARCH = "ToyPagedForCausalLM"
 # per layer: (num_heads, num_kv_heads, head_dim, head_dim_v, softcap, layer rotates q/k itself);
 # a config may carry its own table as ``toy_layers``
 LAYERS = [(4, 2, 16, 16, None, True), (2, 1, 32, 24, 5.0, False)]
-# both layers within the Triton kernels' reach (uneven kv heads and head dims, no softcap)
+# no score modifier, K head dim = V head dim (the Triton kernels' plain path)
 TRITON_LAYERS = [(4, 2, 16, 16, None, True), (2, 1, 32, 32, None, False)]
+# layer 1's head dim is past the Triton kernels' 256: it gets the torch reference
+FALLBACK_LAYERS = [(4, 2, 16, 16, None, True), (2, 1, 320, 24, 5.0, False)]
 
 
 def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,10 +115,14 @@ def test_triton_backend_reports_what_it_cannot_compute():
     b = TritonBackend()
     ok = AttentionLayerSpec(8, 2, 128, 0.1, sliding_window=64)
     assert b.problem(ok, torch.bfloat16, 16) is None
+    for spec in (AttentionLayerSpec(8, 2, 128, 0.1, softcap=50.0),  # the generic path's specs
+                 AttentionLayerSpec(8, 2, 192, 0.1, head_dim_v=128),
+                 AttentionLayerSpec(8, 2, 80, 0.1, alibi_slopes=(0.5,) * 8)):  # fmt: skip
+        assert b.problem(spec, torch.bfloat16, 16) is None, spec
     cases = {
-        "softcap=": AttentionLayerSpec(8, 2, 128, 0.1, softcap=50.0),
-        "head_dim_v=128 != head_dim=192": AttentionLayerSpec(8, 2, 192, 0.1, head_dim_v=128),
-        "head_dim=80": AttentionLayerSpec(8, 2, 80, 0.1),
+        "head_dim=320": AttentionLayerSpec(8, 2, 320, 0.1),
+        "head_dim_v=512": AttentionLayerSpec(8, 2, 128, 0.1, head_dim_v=512),
+        "2 ALiBi slopes for num_heads=8": AttentionLayerSpec(8, 2, 64, 0.1, alibi_slopes=(1, 2)),
     }
     for reason, spec in cases.items():
         assert reason in b.problem(spec, torch.bfloat16, 16)
@@ -132,7 +136,7 @@ def test_context_gives_unsupported_layers_the_torch_reference():
 
     ctx = ModelContext(TritonBackend(), kv_block_size=16)
     fine = Attention(AttentionLayerSpec(4, 2, 64, 0.1), ctx, 0)
-    capped = Attention(AttentionLayerSpec(4, 2, 64, 0.1, softcap=30.0), ctx, 1)
-    assert fine.backend.name == "triton" and capped.backend.name == "torch"
-    assert list(ctx.fallbacks) == [1] and "softcap" in ctx.fallbacks[1]
+    wide = Attention(AttentionLayerSpec(4, 2, 512, 0.1), ctx, 1)
+    assert fine.backend.name == "triton" and wide.backend.name == "torch"
+    assert list(ctx.fallbacks) == [1] and "head_dim=512" in ctx.fallbacks[1]
     assert not ctx.supports_cuda_graph  # the torch reference cannot be captured

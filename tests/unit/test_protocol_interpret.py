@@ -1,7 +1,8 @@
 """The toy PagedModel (tests/model/toy_model.py) on the Triton backend under Triton's CPU
-interpreter: layer 0 runs the Triton kernels (store, paged prefill, paged decode) on its slice of
-the runner-style ``KVCache``; layer 1 (softcap, V head dim != K head dim) is reported by
-``TritonBackend.problem`` and gets the torch reference. Logits match the dense oracle.
+interpreter: the Triton kernels (store, paged prefill, paged decode) run on each layer's slice of
+the runner-style ``KVCache``, layer 1 with a softcap and V head dim != K head dim; with
+``FALLBACK_LAYERS`` layer 1 (head dim 320) is reported by ``TritonBackend.problem`` and gets the
+torch reference. Logits match the dense oracle.
 
 Run as a script by the test (``TRITON_INTERPRET=1`` must be set before triton is imported).
 """
@@ -13,7 +14,7 @@ import pytest
 from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
 
 
-def case_toy_mixed_backends() -> float:
+def case_toy_backends(layers: str) -> float:
     import tempfile
 
     import torch
@@ -22,16 +23,19 @@ def case_toy_mixed_backends() -> float:
     from hf_paged.attention.triton_backend import TritonBackend
     from hf_paged.layers.context import ModelContext
     from tests.helpers import make_kv_cache, run_step
+    from tests.model import toy_model
     from tests.model.toy_model import ToyPagedForCausalLM, save_toy_model
 
+    table = {"modifiers": toy_model.LAYERS, "fallback": toy_model.FALLBACK_LAYERS}[layers]
     with tempfile.TemporaryDirectory() as path:
-        ref = save_toy_model(path)
+        ref = save_toy_model(path, layers=table)
         ctx = ModelContext(TritonBackend(), kv_block_size=8)
         model = ToyPagedForCausalLM(AutoConfig.from_pretrained(path), ctx).eval()
         model.load_weights(path)
     names = [layer.attn.backend.name for layer in model.layers]
-    assert names == ["triton", "torch"], names
-    assert list(ctx.fallbacks) == [1], ctx.fallbacks
+    fell_back = layers == "fallback"
+    assert names == ["triton", "torch" if fell_back else "triton"], names
+    assert list(ctx.fallbacks) == ([1] if fell_back else []), ctx.fallbacks
     seqs = [[5, 9, 33, 7, 60, 2, 8, 11, 40, 3], [40, 41, 3, 17, 22, 9]]
     kv = make_kv_cache(model, 8, 8)
     first = run_step(model, kv, [s[:-4] for s in seqs], [len(s) - 4 for s in seqs], 8, 4)
@@ -45,7 +49,7 @@ def case_toy_mixed_backends() -> float:
     return err
 
 
-CASES = {"toy_mixed_backends": (case_toy_mixed_backends, ())}
+CASES = {f"toy_{name}": (case_toy_backends, (name,)) for name in ("modifiers", "fallback")}
 
 
 @pytest.fixture(scope="module")

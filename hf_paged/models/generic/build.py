@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_paged.models.generic.adapters import install as install_adapters
 from hf_paged.models.generic.attention import ATTN_IMPL, register
+from hf_paged.models.generic.rope import install as install_deferred_rope
 from hf_paged.models.generic.support import resolve_hf_class
 
 
@@ -30,6 +31,7 @@ def build_on_meta(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Mod
         model = cls._from_config(config, attn_implementation=ATTN_IMPL, dtype=dtype)
     model.eval()
     install_adapters(model)  # attention modules that do not call AttentionInterface
+    install_deferred_rope(model)  # Llama's apply_rotary_pos_emb: the paged layer rotates q/k
     materialize_buffers(model, device)
     return model
 
@@ -75,4 +77,7 @@ def backbone_of(model: nn.Module) -> nn.Module:
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:
         return base
+    inner = getattr(model, "model", None)  # Llama 4's base_model_prefix names another attribute
+    if isinstance(inner, PreTrainedModel):
+        return inner
     raise ValueError(f"{type(model).__name__} has no backbone module to call")

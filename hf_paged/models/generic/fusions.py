@@ -11,6 +11,9 @@ from three separate ones in the last bits, as on the native path).
   path's decode GEMM for a few rows, ``F.linear`` otherwise).
 * RMSNorm modules whose ``forward`` is Llama's, line for line (most decoders copy it), run the
   native path's one-launch RMSNorm kernel (``kernels.fused_norm``, identical math).
+* MLP modules whose ``forward`` is Llama's (``down(act(gate(x)) * up(x))``) with a SiLU
+  activation and a fused gate/up group run the fused GEMM's ``[gate | up]`` output through the
+  native path's ``silu_and_mul`` kernel (one launch instead of two, same rounding).
 
 Modules change class (subclasses of ``nn.Linear``), never name: parameter names stay HF's.
 """
@@ -23,7 +26,7 @@ import inspect
 import torch
 from torch import nn
 
-from hf_paged.kernels import fused_norm
+from hf_paged.kernels import fused_act, fused_norm
 from hf_paged.kernels.skinny_gemm import linear
 
 _GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -104,6 +107,56 @@ def _swap_rms_norm(module: nn.Module) -> bool:
     return True
 
 
+_MLP_CLASSES: dict[type, type] = {}
+
+
+@functools.cache
+def _llama_mlp_forward(cls: type) -> bool:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hf_paged.models.generic.rope import code_body
+
+    mine = code_body(cls.forward)
+    return mine is not None and mine == code_body(LlamaMLP.forward)
+
+
+def _is_silu(act) -> bool:
+    if isinstance(act, nn.SiLU):
+        return True
+    try:  # transformers' SiLUActivation: ``return nn.functional.silu(input)``
+        src = inspect.getsource(type(act).forward)
+    except (OSError, TypeError):
+        return False
+    return type(act).__name__ == "SiLUActivation" and src.strip().endswith("functional.silu(input)")
+
+
+def _swap_mlp(module: nn.Module) -> bool:
+    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+    if not (isinstance(gate, FusedMemberLinear) and isinstance(up, FusedMemberLinear)):
+        return False
+    group, i = gate._hf_paged_group, gate.out_features
+    if up._hf_paged_group is not group or group.offsets != [0, i, 2 * i]:
+        return False
+    cls = type(module)
+    if not (_is_silu(getattr(module, "act_fn", None)) and _llama_mlp_forward(cls)):
+        return False
+    sub = _MLP_CLASSES.get(cls)
+    if sub is None:
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g = self.gate_proj._hf_paged_group
+            gate_up = _linear_nd(x, g.weight, g.bias)  # [..., 2I]
+            if fused_act.supports(gate_up):
+                return self.down_proj(fused_act.silu_and_mul(gate_up))
+            i = self.gate_proj.out_features
+            return self.down_proj(self.act_fn(gate_up[..., :i]) * gate_up[..., i:])
+
+        sub = type(f"Paged{cls.__name__}", (cls,), {"forward": forward})
+        _MLP_CLASSES[cls] = sub
+    module.__class__ = sub
+    return True
+
+
 def _fuse(members: list[nn.Linear]) -> bool:
     ws = [m.weight for m in members]
     has_bias = [m.bias is not None for m in members]
@@ -133,11 +186,14 @@ def apply_fusions(model: nn.Module) -> dict[str, int]:
             members = [getattr(module, n, None) for n in names]
             if all(type(m) is nn.Linear for m in members) and _fuse(members):
                 fused += 1
-    swapped = norms = 0
+    swapped = norms = mlps = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PagedLinear
             swapped += 1
         elif _swap_rms_norm(module):
             norms += 1
-    return {"fused_groups": fused, "paged_linears": swapped, "paged_rms_norms": norms}
+        elif _swap_mlp(module):
+            mlps += 1
+    return {"fused_groups": fused, "paged_linears": swapped, "paged_rms_norms": norms,
+            "silu_and_mul_mlps": mlps}  # fmt: skip

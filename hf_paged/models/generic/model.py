@@ -17,12 +17,14 @@ import types
 import torch
 from torch import nn
 
+from hf_paged import envs
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
+from hf_paged.models.generic.sinks import sink_backend
 from hf_paged.models.generic.support import (
     UnsupportedModelError,
     check_supported,
@@ -49,7 +51,7 @@ class GenericForCausalLM(nn.Module):
 
     def __init__(self, hf_config, ctx: ModelContext, dtype: torch.dtype, device):
         super().__init__()
-        check_supported(hf_config)
+        check_supported(hf_config, ctx.max_model_len)
         self.ctx = ctx
         self.device = torch.device(device)
         self.dtype = dtype
@@ -169,6 +171,7 @@ class GenericForCausalLM(nn.Module):
         """Profile pass (``profile.py``), then one hf_paged ``Attention`` per attention module."""
         from hf_paged.models.registry import default_dtype
 
+        self.state.rope_calls, self.state.rope_mismatch = 0, False
         records = profile.profile_pass(self)
         modules = dict(self.hf_model.named_modules())
         per_module: dict[str, list] = {}
@@ -180,8 +183,14 @@ class GenericForCausalLM(nn.Module):
         for name, calls in per_module.items():
             binding = LayerBinding(tuple(a for a, _ in calls), tuple(s for _, s in calls))
             modules[name].__dict__[BINDING_ATTR] = binding
-        if any(r.sinks for r in records):
+        sink_backends = [sink_backend(a.backend) for calls in per_module.values()
+                         for a, has_sinks in calls if has_sinks]  # fmt: skip
+        if any(not b.supports_cuda_graph for b in sink_backends):
             self.supports_cuda_graph = False
             self.cuda_graph_reason = "attention sinks run on a torch path that syncs the host"
         self.kv_cache_specs = [profile.kv_cache_spec(r.spec) for r in records]
+        # rope handed to the attention layer (rope.py) when every profiled rope call's outputs
+        # went straight into an attention call
+        st = self.state
+        st.defer_rope = envs.HF_PAGED_FUSED and st.rope_calls > 0 and not st.rope_mismatch
         self.layer_specs = [r.spec for r in records]

@@ -19,11 +19,12 @@ class UnsupportedModelError(ValueError):
 # config keys whose truthy value means layers the paged attention cannot run
 _REFUSED_CONFIG_KEYS = {
     "num_kv_shared_layers": "layers that share another layer's KV cache",
-    "attention_chunk_size": "chunked attention",
     "use_alibi": "ALiBi position biases",
     "alibi": "ALiBi position biases",
     "position_embedding_type_relative": "relative position biases",
 }
+# refused keys an adapted class (``adapters/``) implements itself
+_ADAPTER_CONFIG_KEYS = {"use_alibi", "alibi"}
 # layer_types entries the paged attention runs; anything else (mamba, linear attention, conv...)
 # is refused by name
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local"}
@@ -53,7 +54,8 @@ def resolve_hf_class(hf_config):
 
 
 def static_reason(hf_config) -> str | None:
-    """Why the generic path refuses ``hf_config`` without building it, or None."""
+    """Why the generic path refuses ``hf_config`` without building it, or None. What depends
+    on the engine's ``max_model_len`` (``length_reason``) is checked when the model is built."""
     try:
         cls = resolve_hf_class(hf_config)
     except UnsupportedModelError as e:
@@ -69,11 +71,15 @@ def static_reason(hf_config) -> str | None:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if text is not hf_config and text.model_type != hf_config.model_type:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
+    adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
+        if key in _ADAPTER_CONFIG_KEYS and adapted:
+            continue  # the adapter passes the slopes to the paged attention
         if getattr(text, key, None):
             return f"{name} has {what} ({key}={getattr(text, key)!r})"
     types = getattr(text, "layer_types", None) or []
-    other = sorted({t for t in types if isinstance(t, str)} - _ATTENTION_LAYER_TYPES)
+    runs = _ATTENTION_LAYER_TYPES | ({"chunked_attention"} if _chunk_size(text) else set())
+    other = sorted({t for t in types if isinstance(t, str)} - runs)
     if other:
         return f"{name} has layers the paged attention cannot run: layer_types {other}"
     return None
@@ -98,14 +104,58 @@ def _uses_attention_interface(cls) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source
 
 
+def _adapted(cls) -> bool:
+    from hf_paged.models.generic.adapters import serves
+
+    return serves(cls)
+
+
 def _quant_method(qc) -> str:
     if isinstance(qc, dict):
         return str(qc.get("quant_method", "unknown"))
     return str(getattr(qc, "quant_method", "unknown"))
 
 
-def check_supported(hf_config) -> None:
-    """Raises ``UnsupportedModelError`` with ``static_reason``'s text, if any."""
-    reason = static_reason(hf_config)
+def _chunk_size(text) -> int | None:
+    return getattr(text, "attention_chunk_size", None) or None
+
+
+def length_reason(hf_config, max_model_len: int | None) -> str | None:
+    """Why the generic path refuses ``hf_config`` for sequences of up to ``max_model_len``
+    tokens (None: not known, which refuses what depends on it), or None.
+
+    * Chunked attention (Llama 4's ``attention_chunk_size``) attends within chunks of
+      positions; when every position the engine runs falls in the first chunk it is causal
+      attention over the whole sequence, which the paged attention runs.
+    * Llama 4's attention temperature tuning scales NoPE layers' queries by
+      ``1 + attn_scale * log1p((i + 1) // floor_scale)`` with ``i`` the token's index in the
+      row HF runs (our flattened row holds many sequences): while every position is below
+      ``floor_scale - 1`` stock's scale is 1, and its adapter (``adapters/llama4.py``) runs
+      with scale 1 too.
+    """
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    name = resolve_hf_class(hf_config).__name__
+    chunk = _chunk_size(text)
+    if chunk and (max_model_len is None or max_model_len > chunk):
+        return (
+            f"{name} has chunked attention (attention_chunk_size={chunk}), served only while one "
+            f"chunk holds the whole sequence: max_model_len={max_model_len} must be <= {chunk}"
+        )
+    floor_scale = getattr(text, "floor_scale", None)
+    nope = 0 in (getattr(text, "no_rope_layers", None) or [])
+    if getattr(text, "attn_temperature_tuning", False) and nope and floor_scale:
+        if max_model_len is None or max_model_len >= floor_scale:
+            return (
+                f"{name} has attention temperature tuning on NoPE layers (floor_scale="
+                f"{floor_scale}), served only while it scales by 1: max_model_len="
+                f"{max_model_len} must be < {floor_scale}"
+            )
+    return None
+
+
+def check_supported(hf_config, max_model_len: int | None = None) -> None:
+    """Raises ``UnsupportedModelError`` with ``static_reason``'s or ``length_reason``'s text
+    (for an engine of ``max_model_len`` tokens; None: not known), if any."""
+    reason = static_reason(hf_config) or length_reason(hf_config, max_model_len)
     if reason is not None:
         raise UnsupportedModelError(reason)

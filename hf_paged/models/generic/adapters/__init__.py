@@ -23,7 +23,24 @@ from collections.abc import Callable
 from torch import nn
 
 # family modules under this package, imported on first use
-_FAMILIES: tuple[str, ...] = ()
+_FAMILIES: tuple[str, ...] = (
+    "big_bird",
+    "bloom",
+    "cpmant",
+    "doge",
+    "falcon",
+    "gpt_neo",
+    "gpt_neox_japanese",
+    "llama4",
+    "megatron_bert",
+    "mpt",
+    "openai_gpt",
+    "rembert",
+    "roformer",
+    "trocr",
+    "xglm",
+    "xlm",
+)
 
 _ADAPTERS: dict[type, Callable] = {}  # HF attention module class -> replacement forward
 _MODELS: set[str] = set()  # qualified names of the causal-LM classes the adapters serve
