@@ -359,9 +359,8 @@ class ModelRunner:
         num_rows = logits.shape[0]
         external = set(external_rows)
         internal = [i for i in range(num_rows) if i not in external]
-        if scores is not None:
-            scores = scores.copy_to_host().entries()
-        out = RunnerOutput(sampled_token_ids=[-1] * num_rows, prompt_logprobs=scores)
+        scores = scores.copy_to_host() if scores is not None else None  # read after sampling
+        out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
         if internal:
             rows = logits if not external else logits[internal]
             with prof.section("sample_launch"):
@@ -380,6 +379,8 @@ class ModelRunner:
             out.logits = [None] * num_rows
             for j, i in enumerate(external_rows):
                 out.logits[i] = ext_logits[j]
+        if scores is not None:
+            out.prompt_logprobs = scores.entries()
         return out
 
     def run_async(

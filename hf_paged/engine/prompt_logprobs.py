@@ -84,6 +84,15 @@ class PromptLogprobState:
         self.entries[first + 1 : first + 1 + n] = scores
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device`` without waiting for the stream: a blocking copy would
+    wait for the step still running on the GPU and undo overlapped stepping."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _row_plan(chunks: list[ScheduledChunk], cu_seqlens: list[int]):
     """(hidden-row indices, target ids, (seq_id, num_rows, k) per chunk with rows)."""
     rows, targets, owners = [], [], []
@@ -170,8 +179,8 @@ def score_prompt_rows(
     if not rows:
         return None
     k = max(o[2] for o in owners)
-    idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)  # [R]
-    tgt = torch.tensor(targets, dtype=torch.int64, device=hidden.device)  # [R]
+    idx = _on_device(rows, hidden.device)  # [R]
+    tgt = _on_device(targets, hidden.device)  # [R]
     parts = []
     for a in range(0, len(rows), MAX_ROWS_PER_SLICE):
         logits = compute_logits(hidden[idx[a : a + MAX_ROWS_PER_SLICE]])  # [r, V] or None
