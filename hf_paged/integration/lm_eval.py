@@ -186,10 +186,15 @@ def engine_for(lm, max_model_len: int):
 
 
 def run_requests(engine, requests: list, desc: str, disable: bool) -> list:
-    """One engine run over every ``EngineRequest``; RequestOutputs in input order."""
+    """One engine run over every ``EngineRequest``; RequestOutputs in input order.
+
+    At most ``4 * max_num_seqs`` requests are in the engine at once: more cannot run in the
+    next steps anyway, and the rest are added between steps, while the GPU runs the step in
+    flight, instead of all before the first one."""
     outs: list = [None] * len(requests)
+    in_flight = 4 * engine.config.max_num_seqs
     with tqdm(total=len(requests), desc=desc, disable=disable) as bar:
-        for i, out in engine.stream(requests):
+        for i, out in engine.stream(requests, max_in_flight=in_flight):
             outs[i] = out
             bar.update(1)
     return outs
