@@ -142,19 +142,21 @@ class PromptScores:
         """seq_id -> one PromptLogprob per scored row of its chunk."""
         if self.event is not None:
             self.event.synchronize()
-        rows = self.host.tolist()
+        rows = self.host.tolist()  # [R][2 + 2k]
         k = (self.host.shape[1] - 2) // 2
         out: dict[int, list[PromptLogprob]] = {}
         r = 0
         for seq_id, n, seq_k in self.owners:
-            out[seq_id] = [
-                PromptLogprob(self.targets[j], rows[j][0], int(rows[j][1]),
-                              {int(i): v for i, v in zip(rows[j][2 + k : 2 + k + seq_k],
-                                                          rows[j][2 : 2 + seq_k])})
-                for j in range(r, r + n)
-            ]  # fmt: skip
+            out[seq_id] = [_entry(self.targets[j], rows[j], k, seq_k) for j in range(r, r + n)]
             r += n
         return out
+
+
+def _entry(target: int, row: list[float], k: int, seq_k: int) -> PromptLogprob:
+    """One packed row (logprob, rank, k top logprobs, k top ids) -> PromptLogprob with the
+    request's own ``seq_k`` alternatives."""
+    top = {int(i): v for i, v in zip(row[2 + k : 2 + k + seq_k], row[2 : 2 + seq_k])}
+    return PromptLogprob(target, row[0], int(row[1]), top)
 
 
 def score_prompt_rows(
