@@ -79,9 +79,11 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
     lm._loglikelihood_tokens(warm)  # engine start-up and a whole run of the same shape
     engine = dispatch.get_engine(lm.model)
     engine.block_manager.reset_stats()
+    before = engine.stats
     ours, t_ours = timed(lm._loglikelihood_tokens, reqs)
-    hit_rate = engine.stats["prefix_cache_hit_rate"]
-    for name, row in (engine.stats.get("profile") or {}).items():  # HF_PAGED_PROFILE=1
+    after = engine.stats
+    hit_rate = after["prefix_cache_hit_rate"]
+    for name, row in (after.get("profile") or {}).items():  # HF_PAGED_PROFILE=1
         log(f"loglikelihood profile {name:>15}: {row['total_s']:7.3f} s, {row['calls']} calls")
     ours_sub, t_sub = timed(lm._loglikelihood_tokens, reqs[:n_stock])  # cache warm: reported only
     log(f"loglikelihood paged: {len(reqs)} requests in {t_ours:.2f}s, hit rate {hit_rate:.3f}")
@@ -95,6 +97,8 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
         "paged_req_per_s": len(reqs) / t_ours,
         "speedup": (len(reqs) / t_ours) / (n_stock / t_stock),
         "prefix_cache_hit_rate": hit_rate,
+        "overlapped_steps": after["num_overlapped_steps"] - before["num_overlapped_steps"],
+        "held_back": after["num_held_back"] - before["num_held_back"],
         "paged_again_on_stock_subset_s": t_sub,
         "max_abs_loglikelihood_diff": max(diffs),
         "mean_abs_loglikelihood_diff": sum(diffs) / len(diffs),

@@ -22,7 +22,7 @@ import torch
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput, ScheduledChunk, SchedulerOutput
-from hf_paged.engine.overlap import OverlapStepper, Resolved, overlap_eligible
+from hf_paged.engine.overlap import OverlapStepper, Resolution, overlap_eligible
 from hf_paged.engine.prompt_logprobs import PromptLogprobState
 from hf_paged.engine.request import EngineRequest, RequestGroup, RequestStream, validate_prompt
 from hf_paged.engine.request import run as _run_requests
@@ -292,6 +292,8 @@ class LLMEngine:
         """Overlapped step: launch ``out``, end what reaches a length limit, then apply the
         tokens of the step launched before it."""
         inp, rows = out.model_input()
+        for seq, chunk in zip(out.seqs, inp.chunks, strict=True):
+            chunk.prompt_rows = self._prompt_rows(seq, chunk.start_pos, len(chunk.token_ids))
         sampling = self._sampling_metadata(rows) if rows else None
         resolved = self._overlap.launch(out, inp, rows, sampling)
         result.num_generated_tokens += len(rows)
@@ -304,9 +306,13 @@ class LLMEngine:
                 self._finish(seq, reason)  # its token arrives with the resolution
         self._apply_resolved(resolved)
 
-    def _apply_resolved(self, resolved: list[Resolved]) -> None:
-        """Stop checks on tokens whose values just reached the host (overlapped stepping)."""
-        for r in resolved:
+    def _apply_resolved(self, resolved: Resolution) -> None:
+        """Prompt logprobs and stop checks on what just reached the host (overlapped
+        stepping)."""
+        if resolved.prompt_logprobs is not None:
+            chunks, scores = resolved.prompt_logprobs
+            self._record_prompt_logprobs(chunks, scores.entries())
+        for r in resolved.tokens:
             seq = r.seq
             req = self._seq_to_req[seq.seq_id]
             n_out = r.pos + 1 - seq.num_prompt_tokens
@@ -331,14 +337,15 @@ class LLMEngine:
         state = self._seq_to_req[seq.seq_id].prompt_lps
         if state is None or seq.seq_id != self._seq_to_req[seq.seq_id].seqs[0].seq_id:
             return None
-        return state.rows_for(start, n)
+        rows = state.rows_for(start, n)  # taken now: their scores may arrive a step later
+        seq.max_cached_tokens = state.max_cached_tokens
+        return rows
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], scores: dict) -> None:
         for c in chunks:
-            if c.seq_id in scores:
-                req = self._seq_to_req[c.seq_id]
+            req = self._seq_to_req.get(c.seq_id)
+            if c.seq_id in scores and req is not None:  # None: aborted and reported meanwhile
                 req.prompt_lps.record(c, scores[c.seq_id])
-                req.seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
 
     def stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         return self._seq_to_req[seq.seq_id].stop_ids
@@ -411,6 +418,7 @@ class LLMEngine:
             "num_kv_blocks": self.runtime.num_kv_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
+            "num_held_back": self.scheduler.num_held_back,  # waits for a prefix being prefilled
             **self._profile_stats(),
         }
 

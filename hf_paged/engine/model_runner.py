@@ -22,7 +22,7 @@ from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
-from hf_paged.engine.prompt_logprobs import score_prompt_rows
+from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
@@ -48,10 +48,12 @@ class RunnerSpec:
 
 class PendingTokens:
     """Sampled token ids still on the device; ``wait`` brings them to the host. On CUDA the
-    copy to pinned memory starts at once and an event marks its end."""
+    copy to pinned memory starts at once and an event marks its end. ``prompt_scores``: the
+    step's prompt logprobs (``PromptScores``, their copy started too), or None."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, prompt_scores: PromptScores | None = None):
         self.tokens = tokens  # [B] int64 on the device (next step's inputs are gathered here)
+        self.prompt_scores = prompt_scores.copy_to_host() if prompt_scores is not None else None
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
@@ -327,7 +329,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model_scoring(self, inp: ModelInput, input_ids, positions, meta, logits_indices):
         """``run_model`` for a step with prompt-logprob rows (never a decode graph): also
-        returns seq_id -> PromptLogprob list on rank 0 (``score_prompt_rows``)."""
+        returns their ``PromptScores`` on rank 0, still on the device (``score_prompt_rows``)."""
         hidden = self.model(input_ids, positions, meta)  # [T, H]
         logits = self.model.compute_logits(hidden[logits_indices])
         scores = score_prompt_rows(self.model.compute_logits, hidden, inp.chunks,
@@ -357,7 +359,8 @@ class ModelRunner:
         num_rows = logits.shape[0]
         external = set(external_rows)
         internal = [i for i in range(num_rows) if i not in external]
-        out = RunnerOutput(sampled_token_ids=[-1] * num_rows, prompt_logprobs=scores)
+        scores = scores.copy_to_host() if scores is not None else None  # read after sampling
+        out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
         if internal:
             rows = logits if not external else logits[internal]
             with prof.section("sample_launch"):
@@ -376,6 +379,8 @@ class ModelRunner:
             out.logits = [None] * num_rows
             for j, i in enumerate(external_rows):
                 out.logits[i] = ext_logits[j]
+        if scores is not None:
+            out.prompt_logprobs = scores.entries()
         return out
 
     def run_async(
@@ -398,10 +403,16 @@ class ModelRunner:
                 if pairs:
                     idx = self._to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
                     input_ids[idx[0]] = prev.tokens[idx[1]]
+        scores = None
         with prof.section("forward_launch"):
-            logits = self.run_model(input_ids, positions, meta, logits_idx)
+            if any(c.prompt_rows is not None for c in inp.chunks):
+                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+            else:
+                logits = self.run_model(input_ids, positions, meta, logits_idx)
         with prof.section("sample_launch"):
-            return PendingTokens(self.sampler(logits, sampling).token_ids)
+            if sampling is None:  # prefill chunks only: nothing sampled
+                return PendingTokens(logits.new_empty(0, dtype=torch.int64), scores)
+            return PendingTokens(self.sampler(logits, sampling).token_ids, scores)
 
     # ---- lifecycle / IPC ----------------------------------------------------------------
 

@@ -14,9 +14,15 @@ engine applies them at launch.
 The stepper owns the placeholders and the step in flight, and nothing else: it talks to the
 executor and the scheduler through their public methods and reports back by return value.
 
+Prompt logprobs ride along: a step's scores start their copy to the host at launch and come
+back with its tokens (``Resolution.prompt_logprobs``). Full blocks of a sequence with no
+placeholder among its tokens (a prompt still prefilling) are registered in the prefix cache at
+launch, so a request waiting for that prefix (``Scheduler._held_back``) can take it in the next
+step: later steps read those blocks only after the step computing them, on the same stream.
+
 Only requests whose sampling never reads token values on the host use this path (no penalties,
-no logprobs, no stop strings, no external sampling) and only with one rank; the engine resolves
-the step in flight and steps synchronously whenever another request is present.
+no sampled-token logprobs, no external sampling) and only with one rank; the engine resolves the
+step in flight and steps synchronously whenever another request is present.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ def overlap_eligible(params: SamplingParams, external: bool) -> bool:
     return (
         not external
         and params.logprobs is None
-        and params.prompt_logprobs is None
         and params.repetition_penalty == 1.0
         and (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
     )
@@ -51,6 +56,15 @@ class Resolved:
 
 
 @dataclass
+class Resolution:
+    """What reached the host when a step in flight was resolved."""
+
+    tokens: list[Resolved] = field(default_factory=list)
+    # (chunks with prompt rows, their PromptScores) of the resolved step, or None
+    prompt_logprobs: tuple[list, object] | None = None
+
+
+@dataclass
 class InflightStep:
     """A launched step whose sampled tokens are not yet on the host."""
 
@@ -58,6 +72,7 @@ class InflightStep:
     positions: list[int]  # per row: index of its placeholder in seq.token_ids
     pending: object  # model_runner.PendingTokens
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> row
+    scored_chunks: list = field(default_factory=list)  # chunks with prompt_rows
 
 
 class OverlapStepper:
@@ -79,9 +94,9 @@ class OverlapStepper:
 
     def launch(
         self, out: SchedulerOutput, inp: ModelInput, rows: list[Sequence], sampling
-    ) -> list[Resolved]:
+    ) -> Resolution:
         """Run ``out`` (as ``inp``, sampling ``rows``) without waiting; then resolve the step
-        launched before it and return its tokens."""
+        launched before it and return what it produced."""
         prev = self.inflight
         # only the newest token of a decode chunk can be a placeholder (from ``prev``)
         prev_rows = [
@@ -91,18 +106,23 @@ class OverlapStepper:
         self.scheduler.update(
             out, [PLACEHOLDER if c.sample else None for c in inp.chunks], cache_blocks=False
         )
+        bm = self.scheduler.block_manager
+        for seq in out.seqs:  # no placeholder among its computed tokens: its blocks are final
+            if not self.unresolved.get(seq.seq_id) and not seq.is_finished:
+                bm.cache_full_blocks(seq)
         step = InflightStep(rows, [len(s) - 1 for s in rows], pending)
+        step.scored_chunks = [c for c in inp.chunks if c.prompt_rows is not None]
         for i, seq in enumerate(rows):
             step.row_of[seq.seq_id] = i
             self.unresolved[seq.seq_id] = self.unresolved.get(seq.seq_id, 0) + 1
         self.inflight = step
         self.num_launched += 1
-        return self._resolve(prev) if prev is not None else []
+        return self._resolve(prev) if prev is not None else Resolution()
 
-    def drain(self) -> list[Resolved]:
+    def drain(self) -> Resolution:
         """Resolve the step in flight, if any (before a synchronous step or when idle)."""
         if self.inflight is None:
-            return []
+            return Resolution()
         step, self.inflight = self.inflight, None
         return self._resolve(step)
 
@@ -110,10 +130,12 @@ class OverlapStepper:
         """No placeholder of this sequence is waiting for its value."""
         return not self.unresolved.get(seq_id)
 
-    def _resolve(self, step: InflightStep) -> list[Resolved]:
+    def _resolve(self, step: InflightStep) -> Resolution:
         with self.profile.section("wait_gpu"):
             tokens = step.pending.wait()
-        resolved = []
+        scores = step.pending.prompt_scores
+        res = Resolution(prompt_logprobs=(step.scored_chunks, scores) if scores else None)
+        resolved = res.tokens
         for seq, pos, tok in zip(step.rows, step.positions, tokens):
             left = self.unresolved.pop(seq.seq_id, 1) - 1
             if left:
@@ -122,4 +144,4 @@ class OverlapStepper:
                 continue
             seq.token_ids[pos] = tok
             resolved.append(Resolved(seq, pos, tok))
-        return resolved
+        return res

@@ -5,7 +5,10 @@ Row ``p`` of a prompt's forward pass (the hidden state at position ``p``) scores
 score and collects the results by position; the runner side (``score_prompt_rows``) turns those
 rows' hidden states into logits a slice at a time, takes ``log_softmax`` in fp32 and keeps only
 the target token's logprob, its rank and the top k: a ``[T, V]`` tensor for a whole prompt is
-never built.
+never built. The step's results stay on the device in one packed tensor (``PromptScores``) until
+``entries`` copies them to the host at once; overlapped stepping starts that copy at launch and
+reads it when the step's tokens are resolved, so a chunk's rows count as taken when planned
+(``rows_for``), before their scores arrive (``record``).
 
 Prefix caching: a scored row needs its own forward pass, so a request's sequence may take cached
 blocks only for tokens before its first row still to be scored (``Sequence.max_cached_tokens``).
@@ -30,7 +33,8 @@ class PromptLogprobState:
     """One request's prompt logprobs so far, and the next row still to score.
 
     Rows ``first_row .. len(prompt) - 2`` are scored; ``entries[p]`` is position p's score
-    (``entries[0]`` and those before ``prompt_logprobs_start`` stay None).
+    (``entries[0]`` and those before ``prompt_logprobs_start`` stay None). ``next_row`` is the
+    first row no scheduled chunk has taken yet.
     """
 
     def __init__(self, prompt_token_ids: list[int], k: int, start: int):
@@ -51,7 +55,8 @@ class PromptLogprobState:
         return None if self.done else self.next_row
 
     def rows_for(self, start: int, num_tokens: int) -> PromptRows | None:
-        """The rows to score in a chunk computing positions ``[start, start + num_tokens)``."""
+        """The rows to score in a chunk computing positions ``[start, start + num_tokens)``;
+        they are taken (a later chunk, after a preemption too, does not score them again)."""
         if self.done:
             return None
         if start > self.next_row:
@@ -64,18 +69,28 @@ class PromptLogprobState:
         if first >= last:
             return None
         targets = self.prompt_token_ids[first + 1 : last + 1]
+        self.next_row = last
         return PromptRows(first - start, targets, self.k)
 
     def record(self, chunk: ScheduledChunk, scores: list[PromptLogprob]) -> None:
         """Store the scores of ``chunk.prompt_rows`` (one per row, in order)."""
         first = chunk.start_pos + chunk.prompt_rows.first
-        if first != self.next_row or len(scores) != len(chunk.prompt_rows.target_ids):
+        n = len(chunk.prompt_rows.target_ids)
+        if len(scores) != n or any(e is not None for e in self.entries[first + 1 : first + 1 + n]):
             raise RuntimeError(
-                f"prompt logprobs: got {len(scores)} rows from row {first}, expected "
-                f"{len(chunk.prompt_rows.target_ids)} from row {self.next_row}"
+                f"prompt logprobs: got {len(scores)} rows from row {first}, expected {n} rows "
+                "not scored before"
             )
-        self.entries[first + 1 : first + 1 + len(scores)] = scores
-        self.next_row = first + len(scores)
+        self.entries[first + 1 : first + 1 + n] = scores
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device`` without waiting for the stream: a blocking copy would
+    wait for the step still running on the GPU and undo overlapped stepping."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _row_plan(chunks: list[ScheduledChunk], cu_seqlens: list[int]):
@@ -104,13 +119,53 @@ def _score_slice(logits: torch.Tensor, targets: torch.Tensor, k: int):
     return tgt[:, 0], rank, top_v, top_i
 
 
+class PromptScores:
+    """One step's prompt-logprob results, packed on the device: ``packed`` [R, 2 + 2k] fp32 =
+    (logprob, rank, top-k logprobs, top-k ids) per scored row (ranks and ids < 2**24 are exact
+    in fp32). ``copy_to_host`` starts the one device-to-host copy; ``entries`` waits for it."""
+
+    def __init__(self, packed: torch.Tensor, targets: list[int], owners: list[tuple]):
+        self.packed = packed
+        self.targets = targets  # [R] the scored tokens
+        self.owners = owners  # (seq_id, num_rows, k) per chunk with rows, in row order
+        self.host, self.event = packed, None
+
+    def copy_to_host(self) -> PromptScores:
+        if self.packed.is_cuda:
+            self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            self.host.copy_(self.packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        return self
+
+    def entries(self) -> dict[int, list[PromptLogprob]]:
+        """seq_id -> one PromptLogprob per scored row of its chunk."""
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.host.tolist()  # [R][2 + 2k]
+        k = (self.host.shape[1] - 2) // 2
+        out: dict[int, list[PromptLogprob]] = {}
+        r = 0
+        for seq_id, n, seq_k in self.owners:
+            out[seq_id] = [_entry(self.targets[j], rows[j], k, seq_k) for j in range(r, r + n)]
+            r += n
+        return out
+
+
+def _entry(target: int, row: list[float], k: int, seq_k: int) -> PromptLogprob:
+    """One packed row (logprob, rank, k top logprobs, k top ids) -> PromptLogprob with the
+    request's own ``seq_k`` alternatives."""
+    top = {int(i): v for i, v in zip(row[2 + k : 2 + k + seq_k], row[2 : 2 + seq_k])}
+    return PromptLogprob(target, row[0], int(row[1]), top)
+
+
 def score_prompt_rows(
     compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
     hidden: torch.Tensor,
     chunks: list[ScheduledChunk],
     cu_seqlens: list[int],
-) -> dict[int, list[PromptLogprob]] | None:
-    """Score every chunk's ``prompt_rows`` from the step's hidden states.
+) -> PromptScores | None:
+    """Score every chunk's ``prompt_rows`` from the step's hidden states, on the device.
 
     Args:
         compute_logits: the model's ``compute_logits`` ([N, H] -> [N, V] on rank 0, None on other
@@ -119,29 +174,22 @@ def score_prompt_rows(
         chunks: the step's chunks; ``cu_seqlens[i]`` is chunk i's first row.
 
     Returns:
-        seq_id -> one PromptLogprob per scored row, on rank 0; None when no chunk has rows, or
-        on other ranks.
+        The packed scores on rank 0 (``PromptScores.entries()`` gives seq_id -> one PromptLogprob
+        per scored row); None when no chunk has rows, or on other ranks.
     """
     rows, targets, owners = _row_plan(chunks, cu_seqlens)
     if not rows:
         return None
     k = max(o[2] for o in owners)
-    idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)  # [R]
-    tgt = torch.tensor(targets, dtype=torch.int64, device=hidden.device)  # [R]
+    idx = _on_device(rows, hidden.device)  # [R]
+    tgt = _on_device(targets, hidden.device)  # [R]
     parts = []
     for a in range(0, len(rows), MAX_ROWS_PER_SLICE):
         logits = compute_logits(hidden[idx[a : a + MAX_ROWS_PER_SLICE]])  # [r, V] or None
         if logits is not None:
-            parts.append(_score_slice(logits, tgt[a : a + MAX_ROWS_PER_SLICE], k))
+            lp, rank, top_v, top_i = _score_slice(logits, tgt[a : a + MAX_ROWS_PER_SLICE], k)
+            parts.append(torch.cat([lp[:, None], rank[:, None].float(), top_v,
+                                    top_i.float()], dim=1))  # fmt: skip
     if not parts:
         return None
-    lp, rank, top_v, top_i = (torch.cat(x).tolist() for x in zip(*parts))
-    out: dict[int, list[PromptLogprob]] = {}
-    r = 0
-    for seq_id, n, seq_k in owners:
-        out[seq_id] = [
-            PromptLogprob(targets[j], lp[j], rank[j], dict(zip(top_i[j][:seq_k], top_v[j][:seq_k])))
-            for j in range(r, r + n)
-        ]
-        r += n
-    return out
+    return PromptScores(torch.cat(parts), targets, owners)

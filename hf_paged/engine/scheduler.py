@@ -3,7 +3,10 @@
 Each step mixes decodes and prefill chunks under two budgets (``max_num_batched_tokens`` tokens,
 ``max_num_seqs`` sequences) and the KV blocks the ``BlockManager`` can hand out. Running sequences
 go first; when one cannot get a block, the newest running sequence is preempted (its blocks freed,
-all its tokens recomputed later). Waiting sequences are admitted strictly first come, first served.
+all its tokens recomputed later). Waiting sequences are admitted first come, first served, except
+that one whose leading blocks a running sequence is still prefilling waits for them to reach the
+prefix cache instead of computing them a second time (n > 1 samples of one prompt, lm-eval's
+continuations of one context, any callers' shared system prompts).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.max_num_running_seqs = 0  # most sequences in ``running`` after any schedule()
+        self.num_held_back = 0  # times a waiting sequence waited for a prefix being prefilled
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (status WAITING) in ``waiting`` at its ``arrival`` place (new: the end).
@@ -87,19 +91,28 @@ class Scheduler:
                 token_budget -= num_new
                 i += 1
 
-        # 2. waiting, FCFS; stop at the first that does not fit (no skipping ahead)
+        # 2. waiting, FCFS; stop at the first that does not fit. Only a sequence whose prefix a
+        # running one is still prefilling is passed over (``_held_back``): it waits for the cache
+        prefilling = self._prefilling_by_first_block() if self.waiting else {}
+        k = 0
         while (
             not out.preempted
-            and self.waiting
+            and k < len(self.waiting)
             and token_budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[k]
+            if prefilling and self._held_back(seq, prefilling):
+                k += 1
+                self.num_held_back += 1
+                continue
             computed_blocks, num_cached = bm.get_computed_blocks(seq)
             num_new = min(len(seq) - num_cached, token_budget)
             if not bm.allocate_slots(seq, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[k]
+            if prefilling is not None:
+                self._add_prefilling(prefilling, seq)
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -108,6 +121,43 @@ class Scheduler:
             token_budget -= num_new
         self.max_num_running_seqs = max(self.max_num_running_seqs, len(self.running))
         return out
+
+    def _prefilling_by_first_block(self) -> dict | None:
+        """Running sequences still computing prompt blocks, by their first block's tokens (None
+        when prefix caching is off: nothing is worth waiting for)."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        found: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in self.running:
+            self._add_prefilling(found, seq)
+        return found
+
+    def _add_prefilling(self, found: dict, seq: Sequence) -> None:
+        bs = self.block_manager.block_size
+        if seq.num_computed_tokens < seq.num_prompt_tokens and seq.num_prompt_tokens > bs:
+            found.setdefault(tuple(seq.token_ids[:bs]), []).append(seq)
+
+    def _held_back(self, seq: Sequence, prefilling: dict) -> bool:
+        """Whether ``seq`` should wait: a running sequence that has not yet registered its
+        prompt block ``a`` (its first unregistered one) shares blocks ``0..a`` with ``seq``,
+        and ``seq`` could take block ``a`` from the cache. Once that block is registered (the
+        step computing it ended) the question moves on to the next block, so ``seq`` waits as
+        long as, and only as long as, a running sequence is prefilling what it can reuse; a
+        running sequence always makes progress (or is preempted and stops counting), so this
+        cannot deadlock."""
+        bs = self.block_manager.block_size
+        limit = len(seq) - 1  # as get_computed_blocks: one token left to compute
+        if seq.max_cached_tokens is not None:
+            limit = min(limit, seq.max_cached_tokens)
+        if limit < bs:
+            return False
+        for other in prefilling.get(tuple(seq.token_ids[:bs]), ()):
+            end = (len(other.block_hashes) + 1) * bs  # through its first unregistered block
+            if end <= min(limit, other.num_prompt_tokens) and (
+                seq.token_ids[:end] == other.token_ids[:end]
+            ):
+                return True
+        return False
 
     def update(
         self, out: SchedulerOutput, sampled: list[int | None], cache_blocks: bool = True

@@ -2,7 +2,10 @@
 
 ``check_stop`` is the whole stop rule on plain numbers; the synchronous step applies it to each
 sampled token, and overlapped stepping applies it in two halves (length at launch, token values
-when they reach the host). ``StopStrings`` decides HF ``stop_strings`` matches.
+when they reach the host). ``StopStrings`` decides HF ``stop_strings`` matches, skipping the
+criterion for a newest token that no stop string can end in (read from the criterion's own
+tables, so the answer is the same); ``StopTextFilter`` is the same shortcut for matchers that
+search decoded text.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class StopStrings:
         self.criterion = criterion  # transformers StopStringCriteria
         self.stop: tuple[str, ...] = tuple(criterion.stop_strings)
         self.window: int = int(criterion.maximum_token_len)
+        self._can_end = _final_token_table(criterion)
 
     @classmethod
     def build(cls, tokenizer, stop: Sequence[str]) -> StopStrings:
@@ -71,9 +75,105 @@ class StopStrings:
         """A stop string ends at ``token_ids[end - 1]`` (default: the last token). Overlapped
         stepping passes ``end``: the tokens after it are still on the device."""
         end = len(token_ids) if end is None else end
+        can_end = self._can_end
+        if can_end is not None and not can_end[min(token_ids[end - 1], len(can_end) - 1)]:
+            return False  # what the criterion itself finds first: no stop string ends here
         tail = token_ids[max(0, end - self.window) : end]
         tail = torch.tensor([tail], dtype=torch.long)  # [1, <= window]
         return bool(self.criterion(tail, None)[0])
+
+
+def _final_token_table(criterion) -> list[bool] | None:
+    """Per token id (the criterion's clamped range), whether it can be the final token of a
+    match: the criterion's own first test (a positive "end length" for some stop string; a
+    match needs one at the newest token). None (no shortcut) when its tables are not the ones
+    this reads, or a stop string is empty (an empty string matches everywhere)."""
+    vec = getattr(criterion, "embedding_vec", None)
+    num, width = len(criterion.stop_strings), getattr(criterion, "max_valid_positions", None)
+    if not isinstance(vec, torch.Tensor) or vec.dim() != 2 or not isinstance(width, int):
+        return None
+    if any(len(s) == 0 for s in criterion.stop_strings):
+        return None
+    end_lens = vec[:, width * num : -1]  # [V + 1, num * max_valid_end_lens]
+    return (end_lens > 0).any(dim=1).tolist()
+
+
+class StopTextFilter:
+    """Which newest tokens can complete a stop string in a decoded text, for matchers that look
+    for stop strings in ``tokenizer.decode`` of the last tokens (lm-eval's rule): a token whose
+    text cannot hold the end of any stop string is skipped without decoding anything.
+
+    Why it is safe: if a stop string is in the decoded window now and was not one token earlier,
+    its occurrence ends inside the newest token's text, so that text ends with a piece of the
+    stop string at the place where the stop string ends (``_ends_in``). That holds when decoding
+    is concatenative up to deletions, which is what character, byte-level, metaspace and
+    WordPiece decoders do. A token's text is taken both alone and after a plain letter, so the
+    space a metaspace or WordPiece decoder puts before a word inside a text is seen. Where it
+    cannot be decided the token is always checked: an empty text, an incomplete UTF-8 piece
+    (U+FFFD), and every token when a stop string holds U+FFFD. Matchers whose window drops
+    tokens at its front also ask ``front_ok`` for the token that becomes the window's first
+    (WordPiece shows ``##`` there). ``tests/integration/test_stop_filter.py`` fuzzes it against
+    the unfiltered check on those four kinds of tokenizer, stop strings ending in spaces and
+    newlines included.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.always = not self.stop or any("\ufffd" in s for s in self.stop)
+        self._may_end: dict[int, bool] = {}
+        self._front_ok: dict[int, bool] = {}
+        anchor = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor = anchor[-1:] if anchor else None
+        self._anchor_text = tokenizer.decode(self._anchor) if anchor else ""
+
+    def may_end(self, token_id: int) -> bool:
+        """Whether a stop string can newly end in ``token_id``'s text (True when unsure)."""
+        if self.always:
+            return True
+        hit = self._may_end.get(token_id)
+        if hit is None:
+            pieces = self._pieces(token_id)
+            hit = pieces is None or any(_ends_in(s, p) for s in self.stop for p in pieces)
+            self._may_end[token_id] = hit
+        return hit
+
+    def front_ok(self, token_id: int) -> bool:
+        """Whether ``token_id`` decodes, at the start of a text, to an end of what it decodes
+        to after other tokens (so a window starting at it shows no text that was not there)."""
+        ok = self._front_ok.get(token_id)
+        if ok is None:
+            pieces = self._pieces(token_id)
+            ok = pieces is not None and pieces[1].endswith(pieces[0])
+            self._front_ok[token_id] = ok
+        return ok
+
+    def _pieces(self, token_id: int) -> tuple[str, str] | None:
+        """(text alone, text after a plain letter), or None when either is undecidable."""
+        alone = self.tokenizer.decode([token_id])
+        if self._anchor is None:
+            return None
+        joined = self.tokenizer.decode(self._anchor + [token_id])
+        if not joined.startswith(self._anchor_text):
+            return None
+        after = joined[len(self._anchor_text) :]
+        if not alone or not after or "\ufffd" in alone or "\ufffd" in after:
+            return None
+        return alone, after
+
+
+def _ends_in(stop: str, text: str) -> bool:
+    """Whether an occurrence of ``stop`` in ``prefix + text`` can end inside ``text``, for some
+    prefix: at some position q of ``text``, ``text[: q + 1]`` ends with the last q + 1 characters
+    of ``stop`` (all of it when ``stop`` is shorter)."""
+    last = stop[-1]
+    q = text.find(last)
+    while q >= 0:
+        n = min(q + 1, len(stop))
+        if text[q + 1 - n : q + 1] == stop[-n:]:
+            return True
+        q = text.find(last, q + 1)
+    return False
 
 
 class StopStringsCache:

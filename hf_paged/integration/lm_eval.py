@@ -40,7 +40,6 @@ from hf_paged.integration.lm_eval_requests import (
     loglikelihood_result,
     score_params,
     score_window,
-    wave_order,
 )
 
 HFLM_MODULE = "lm_eval.models.huggingface"
@@ -187,10 +186,15 @@ def engine_for(lm, max_model_len: int):
 
 
 def run_requests(engine, requests: list, desc: str, disable: bool) -> list:
-    """One engine run over every ``EngineRequest``; RequestOutputs in input order."""
+    """One engine run over every ``EngineRequest``; RequestOutputs in input order.
+
+    At most ``4 * max_num_seqs`` requests are in the engine at once: more cannot run in the
+    next steps anyway, and the rest are added between steps, while the GPU runs the step in
+    flight, instead of all before the first one."""
     outs: list = [None] * len(requests)
+    in_flight = 4 * engine.config.max_num_seqs
     with tqdm(total=len(requests), desc=desc, disable=disable) as bar:
-        for i, out in engine.stream(requests):
+        for i, out in engine.stream(requests, max_in_flight=in_flight):
             outs[i] = out
             bar.update(1)
     return outs
@@ -207,17 +211,13 @@ def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_b
         _warn("loglikelihood", fb)
         return original(self, requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
     windows = [score_window(ctx, cont, self.max_length) for _, ctx, cont in requests]
-    prompts, starts = [w[0] for w in windows], [w[1] for w in windows]
-    order = wave_order(prompts, starts, engine.config.max_num_batched_tokens)
     outs = run_requests(
         engine,
-        [EngineRequest(prompts[i], score_params(starts[i])) for i in order],
+        [EngineRequest(prompt, score_params(start)) for prompt, start in windows],
         "Running loglikelihood requests (paged)",
         disable_tqdm or self.rank != 0,
     )
-    results: list = [None] * len(requests)
-    for i, out in zip(order, outs, strict=True):
-        results[i] = loglikelihood_result(out, starts[i])
+    results = [loglikelihood_result(out, start) for out, (_, start) in zip(outs, windows)]
     for (request_str, _, _), answer in zip(requests, results, strict=True):
         if request_str is not None:  # rolling windows are cached per document, by the caller
             self.cache_hook.add_partial("loglikelihood", request_str, answer)

@@ -20,6 +20,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest
+from hf_paged.engine.stop import StopTextFilter
 from hf_paged.integration.lm_eval import NotServed, engine_for, run_requests
 from hf_paged.integration.prepare import PagedFallback, prepare_call
 from hf_paged.integration.sampling import native_plan
@@ -33,17 +34,31 @@ class UntilMatcher:
     of the longest of those windows serves every stop string: it contains each shorter window's
     text, so a row stops no later than a stock batch of one would, and never before a stop
     string is in its generated text, after which stock's trimming gives the same text.
+
+    Decoding is skipped when ``text_filter`` (shared by the rows of one set of stop strings)
+    shows that the newest token cannot complete a stop string and the window's front shows no
+    new text; a stop string then cannot have appeared since the previous token, whose check
+    found none (every token is checked in order, and the first match ends the row).
     """
 
-    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int):
+    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int,
+                 text_filter: StopTextFilter | None = None):  # fmt: skip
         self.tokenizer = tokenizer
         self.stop = tuple(lookback)  # == params.stop
         self.window = max(lookback.values())
         self.prompt_len = prompt_len
+        self.text_filter = text_filter
 
     def matches(self, token_ids: list[int], end: int | None = None) -> bool:
         end = len(token_ids) if end is None else end  # tokens after ``end`` are in flight
         start = max(self.prompt_len, end - self.window)
+        f = self.text_filter
+        if (
+            f is not None
+            and not f.may_end(token_ids[end - 1])
+            and (start == self.prompt_len or f.front_ok(token_ids[start]))
+        ):
+            return False
         text = self.tokenizer.decode(token_ids[start:end])
         return any(s in text for s in self.stop)
 
@@ -76,8 +91,9 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     batch_size = lm.batch_size if isinstance(lm.batch_size, int) else 1
     rows: list[_Row] = []
     plans: dict = {}
+    filters: dict = {}  # stop strings -> StopTextFilter, shared by their rows
     for chunk in re_ords.get_batched(n=batch_size, batch_fn=None):
-        rows.extend(_rows(lm, engine, chunk, plans))
+        rows.extend(_rows(lm, engine, chunk, plans, filters))
     outs = run_requests(
         engine,
         [EngineRequest(r.prompt, r.params, stop_strings=r.matcher) for r in rows],
@@ -103,7 +119,7 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     return re_ords.get_original(res)
 
 
-def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
+def _rows(lm, engine, chunk, plans: dict, filters: dict) -> list[_Row]:
     """One stock batch: its gen_kwargs as stock reads them, its rows' prompts and params."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
@@ -126,6 +142,8 @@ def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
     ids, mask = lm.tok_batch_encode(
         list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
     )  # [B, W] left padded
+    if stops and stops not in filters:
+        filters[stops] = StopTextFilter(lm.tokenizer, stops)
     rows = []
     for context, row, keep in zip(contexts, ids, mask.bool(), strict=True):
         prompt = row[keep].tolist()
@@ -133,7 +151,7 @@ def _rows(lm, engine, chunk, plans: dict) -> list[_Row]:
         matcher = None
         if stops:
             params = dataclasses.replace(params, stop=stops)
-            matcher = UntilMatcher(lm.tokenizer, lookback, len(prompt))
+            matcher = UntilMatcher(lm.tokenizer, lookback, len(prompt), filters[stops])
         rows.append(_Row(context, gen_kwargs, until, prompt, params, matcher))
     return rows
 

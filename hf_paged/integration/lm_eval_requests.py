@@ -7,15 +7,12 @@ Loglikelihood (HFLM ``_loglikelihood_tokens``): stock runs ``model(inp)`` on
 token) with ``prompt_logprobs=0`` starting at the first continuation token; the result is the sum
 of those tokens' logprobs and whether each was the argmax (``rank == 1``).
 
-Prefix sharing: the continuations of one context share its KV through the prefix cache only if
-a continuation is admitted after the step that computed the context's blocks. ``wave_order``
-orders the requests so that each wave holds at most one continuation per context and spans at
-least one step's token budget: wave 2 then finds wave 1's contexts in the cache.
+Prefix sharing: the continuations of one context share its KV through the prefix cache. The
+scheduler holds a continuation back while another one of the same context is still prefilling
+it (``Scheduler._held_back``), so the requests go in as lm-eval orders them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.outputs import RequestOutput
@@ -61,35 +58,3 @@ def loglikelihood_result(out: RequestOutput, start: int) -> tuple[float, bool]:
     if not scored or any(e is None for e in scored):
         raise RuntimeError(f"request {out.request_id!r} came back without its prompt logprobs")
     return float(sum(e.logprob for e in scored)), all(e.rank == 1 for e in scored)
-
-
-def wave_order(prompts: Sequence[list[int]], starts: Sequence[int], wave_tokens: int) -> list[int]:
-    """A submission order that lets continuations of one context share its cached KV.
-
-    Requests are grouped by context (``prompt[:start]``). Contexts are taken in first-seen
-    order into batches whose first continuations add up to at least ``wave_tokens`` tokens;
-    within a batch the first continuation of every context goes first, then every second one,
-    and so on.
-
-    Returns:
-        A permutation of ``range(len(prompts))``.
-    """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (p, s) in enumerate(zip(prompts, starts, strict=True)):
-        groups.setdefault(tuple(p[:s]), []).append(i)
-    order: list[int] = []
-    batch: list[list[int]] = []
-    tokens = 0
-    for members in groups.values():
-        batch.append(members)
-        tokens += len(prompts[members[0]])
-        if tokens >= wave_tokens:
-            order.extend(_interleave(batch))
-            batch, tokens = [], 0
-    order.extend(_interleave(batch))
-    return order
-
-
-def _interleave(batch: list[list[int]]) -> list[int]:
-    depth = max((len(m) for m in batch), default=0)
-    return [m[d] for d in range(depth) for m in batch if d < len(m)]

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
-from hf_paged.integration.lm_eval_requests import score_window, wave_order  # noqa: E402
+from hf_paged.integration.lm_eval_requests import score_window  # noqa: E402
 from hf_paged.testing import save_demo_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -205,16 +205,6 @@ def test_score_window_truncates_like_stock():
         score_window(ctx, list(range(9)), 8)
 
 
-def test_wave_order_spreads_continuations():
-    ctx_a, ctx_b = [1] * 8, [2] * 8
-    prompts = [ctx_a + [5], ctx_a + [6], ctx_b + [7], ctx_a + [8], ctx_b + [9]]
-    starts = [8] * 5
-    order = wave_order(prompts, starts, wave_tokens=10)  # both contexts in one wave
-    assert sorted(order) == list(range(5))
-    assert order == [0, 2, 1, 4, 3]  # first continuations of a and b, then the second ones ...
-    assert wave_order(prompts, starts, wave_tokens=1) == [0, 1, 3, 2, 4]  # a wave per context
-
-
 def test_install_registers_model_and_uninstall_restores():
     import lm_eval.api.registry as registry
 
@@ -288,20 +278,32 @@ def _score_requests(n_ctx: int, n_cont: int):
     return out
 
 
-def test_loglikelihood_shares_contexts(hflm):
-    """Continuations of one context reuse its KV through the prefix cache (small step budget,
-    so the waves of ``wave_order`` run in different steps) and still equal stock."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_loglikelihood_shares_contexts(hflm, overlap):
+    """Continuations of one context reuse its KV through the prefix cache (a small step budget:
+    contexts are prefilled in chunks, over several steps) and still equal stock, also under
+    overlapped stepping (what a GPU runs by default)."""
+    import torch
+
     lm, dispatch, _ = hflm
     reqs = _score_requests(6, 3)
+    ctx = reqs[0][1]  # and a 4th continuation that is the model's greedy one: is_greedy True
+    greedy = lm.model.generate(torch.tensor([ctx]), max_new_tokens=3, do_sample=False)
+    reqs.insert(3, (None, ctx, greedy[0, len(ctx) :].tolist()))
     dispatch.set_default_backend("hf")
     stock = lm._loglikelihood_tokens(reqs)
+    assert stock[3][1] and not all(g for _, g in stock)
     dispatch.set_default_backend("paged")
-    dispatch.configure(lm.model, max_num_batched_tokens=64, kv_block_size=8)
+    dispatch.configure(lm.model, max_num_batched_tokens=64, kv_block_size=8,
+                       async_scheduling=overlap)  # fmt: skip
     ours = lm._loglikelihood_tokens(reqs)
     stats = dispatch.get_engine(lm.model).stats
-    # each context's 2nd and 3rd continuation may take its 4 full blocks (32 tokens) before the
-    # first scored row; those admitted in the step that computes the context cannot
-    assert stats["prefix_cache_hit_tokens"] >= 6 * 32
+    assert (stats["num_overlapped_steps"] > 0) == overlap
+    # every continuation of a context after its first waits for that one to prefill it, then
+    # takes every full block before its first scored row (row len(ctx) - 1) from the cache
+    contexts = [tuple(c) for _, c, _ in reqs]
+    want = sum((contexts.count(c) - 1) * ((len(c) - 1) // 8 * 8) for c in set(contexts))
+    assert stats["prefix_cache_hit_tokens"] == want
     for (a, ga), (b, gb) in zip(stock, ours, strict=True):
         assert close(a, b) and ga == gb
 
