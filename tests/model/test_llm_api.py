@@ -82,11 +82,11 @@ def test_unknown_engine_kwarg(llm, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import MambaConfig, MambaForCausalLM
 
-    cfg = BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)
-    BloomForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"BloomForCausalLM does not route attention"):
+    cfg = MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=64, state_size=4)
+    MambaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"MambaForCausalLM does not route attention"):
         LLM(str(tmp_path))
 
 
