@@ -121,8 +121,7 @@ class StopTextFilter:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.always = not self.stop or any("\ufffd" in s for s in self.stop)
-        self._may_end: dict[int, bool] = {}
-        self._front_ok: dict[int, bool] = {}
+        self._info: dict[int, tuple[bool, bool]] = {}  # token id -> (may_end, front_ok)
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:] if anchor else None
         self._anchor_text = tokenizer.decode(self._anchor) if anchor else ""
@@ -131,22 +130,33 @@ class StopTextFilter:
         """Whether a stop string can newly end in ``token_id``'s text (True when unsure)."""
         if self.always:
             return True
-        hit = self._may_end.get(token_id)
-        if hit is None:
-            pieces = self._pieces(token_id)
-            hit = pieces is None or any(_ends_in(s, p) for s in self.stop for p in pieces)
-            self._may_end[token_id] = hit
-        return hit
+        info = self._info.get(token_id)
+        return (info or self._learn(token_id))[0]
 
     def front_ok(self, token_id: int) -> bool:
         """Whether ``token_id`` decodes, at the start of a text, to an end of what it decodes
         to after other tokens (so a window starting at it shows no text that was not there)."""
-        ok = self._front_ok.get(token_id)
-        if ok is None:
-            pieces = self._pieces(token_id)
-            ok = pieces is not None and pieces[1].endswith(pieces[0])
-            self._front_ok[token_id] = ok
-        return ok
+        info = self._info.get(token_id)
+        return (info or self._learn(token_id))[1]
+
+    def fill(self) -> StopTextFilter:
+        """Learn every token of the vocabulary now (two decodes each), so that matching never
+        decodes a token's pieces mid-run; returns self."""
+        if not self.always:
+            for token_id in range(len(self.tokenizer)):
+                if token_id not in self._info:
+                    self._learn(token_id)
+        return self
+
+    def _learn(self, token_id: int) -> tuple[bool, bool]:
+        pieces = self._pieces(token_id)
+        if pieces is None:
+            info = (True, False)
+        else:
+            may_end = any(_ends_in(s, p) for s in self.stop for p in pieces)
+            info = (may_end, pieces[1].endswith(pieces[0]))
+        self._info[token_id] = info
+        return info
 
     def _pieces(self, token_id: int) -> tuple[str, str] | None:
         """(text alone, text after a plain letter), or None when either is undecidable."""
@@ -174,6 +184,23 @@ def _ends_in(stop: str, text: str) -> bool:
             return True
         q = text.find(last, q + 1)
     return False
+
+
+_FILTERS: dict = {}  # (id(tokenizer), stop) -> (tokenizer, StopTextFilter), most recent last
+_FILTERS_KEPT = 8
+
+
+def text_filter(tokenizer, stop: Sequence[str]) -> StopTextFilter:
+    """A filled ``StopTextFilter`` for ``stop``, shared by the calls that use the same tokenizer
+    and stop strings (a few are kept): its vocabulary pass is paid once, not per call."""
+    key = (id(tokenizer), tuple(stop))
+    hit = _FILTERS.pop(key, None)
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, StopTextFilter(tokenizer, stop).fill())
+    _FILTERS[key] = hit
+    while len(_FILTERS) > _FILTERS_KEPT:
+        _FILTERS.pop(next(iter(_FILTERS)))
+    return hit[1]
 
 
 class StopStringsCache:

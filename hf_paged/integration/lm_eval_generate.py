@@ -20,7 +20,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest
-from hf_paged.engine.stop import StopTextFilter
+from hf_paged.engine.stop import StopTextFilter, text_filter
 from hf_paged.integration.lm_eval import NotServed, engine_for, run_requests
 from hf_paged.integration.prepare import PagedFallback, prepare_call
 from hf_paged.integration.sampling import native_plan
@@ -143,7 +143,7 @@ def _rows(lm, engine, chunk, plans: dict, filters: dict) -> list[_Row]:
         list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
     )  # [B, W] left padded
     if stops and stops not in filters:
-        filters[stops] = StopTextFilter(lm.tokenizer, stops)
+        filters[stops] = text_filter(lm.tokenizer, stops)
     rows = []
     for context, row, keep in zip(contexts, ids, mask.bool(), strict=True):
         prompt = row[keep].tolist()

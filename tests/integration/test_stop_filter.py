@@ -183,3 +183,20 @@ def test_until_filter_sees_a_character_split_over_byte_tokens():
     f = StopTextFilter(tok, stops)
     m = UntilMatcher(tok, {"€": 5}, len(prompt), f)
     assert _first_match(m, ids, len(prompt)) == len(ids)
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_filled_filter_answers_as_the_lazy_one_and_is_shared(name):
+    """``text_filter`` learns the whole vocabulary up front (same answers as learning token by
+    token) and hands the same filter to the next call with that tokenizer and stop strings."""
+    from hf_paged.engine.stop import text_filter
+
+    tok = TOKENIZERS[name]()
+    stops = ("\n\n", "ab", " ")
+    filled = text_filter(tok, stops)
+    lazy = StopTextFilter(tok, stops)
+    ids = list(range(len(tok)))
+    assert [filled.may_end(i) for i in ids] == [lazy.may_end(i) for i in ids]
+    assert [filled.front_ok(i) for i in ids] == [lazy.front_ok(i) for i in ids]
+    assert text_filter(tok, stops) is filled
+    assert text_filter(TOKENIZERS[name](), stops) is not filled  # another tokenizer object
