@@ -138,7 +138,7 @@ def test_native_impl_refuses_other_architectures():
         resolve_model_class(config, "x")
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "gemma2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "gemma2", "llama4_text"])
 def test_fusions_keep_tokens(model_type):
     """q/k/v and gate/up fused into one GEMM each (on CUDA by default; forced here on CPU):
     same logits as unfused, and the fused members' weights are views of one tensor."""
@@ -151,7 +151,7 @@ def test_fusions_keep_tokens(model_type):
     config, hf = build_tiny(model_type)
     logits = []
     for fuse in (False, True):
-        ctx = ModelContext(get_backend("torch"), kv_block_size=4)
+        ctx = ModelContext(get_backend("torch"), kv_block_size=4, max_model_len=64)
         model = build_model(config, ctx, torch.float32, "cpu", "generic")
         model.fuse = fuse
         model.load_weights(hf)

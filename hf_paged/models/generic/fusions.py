@@ -123,6 +123,8 @@ def _llama_mlp_forward(cls: type) -> bool:
 def _is_silu(act) -> bool:
     if isinstance(act, nn.SiLU):
         return True
+    if not isinstance(act, nn.Module):  # a plain function, or no act_fn at all
+        return False
     try:  # transformers' SiLUActivation: ``return nn.functional.silu(input)``
         src = inspect.getsource(type(act).forward)
     except (OSError, TypeError):

@@ -111,7 +111,12 @@ class GenericForCausalLM(nn.Module):
         if self.fuse:
             from hf_paged.models.generic.fusions import apply_fusions
 
-            self.fusion_stats = apply_fusions(self.hf_model)
+            try:
+                self.fusion_stats = apply_fusions(self.hf_model)
+            except Exception as e:  # noqa: BLE001  a module shape the rewrites did not expect
+                raise UnsupportedModelError(
+                    f"the CUDA fusions failed on this model: {type(e).__name__}: {e}"
+                ) from e
         self._profile()
         if self.device.type == "cuda" and self.supports_cuda_graph:
             from hf_paged.models.generic.graph_probe import cuda_graph_problem
