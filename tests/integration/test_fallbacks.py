@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    BloomConfig,
-    BloomForCausalLM,
     DynamicCache,
     LogitsProcessor,
+    MambaConfig,
+    MambaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -203,11 +203,11 @@ def _t5():
     return T5ForConditionalGeneration(cfg).eval()
 
 
-def _bloom():
-    # attention outside transformers' AttentionInterface (ALiBi): neither path serves it
+def _mamba():
+    # no attention at all (a recurrent state per layer): neither path serves it
     torch.manual_seed(0)
-    cfg = BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2)
-    return BloomForCausalLM(cfg).eval()
+    cfg = MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, state_size=4)
+    return MambaForCausalLM(cfg).eval()
 
 
 def _fp16_llama():
@@ -220,7 +220,7 @@ def _training_llama():
 
 MODEL_CASES = {
     "encoder_decoder": _t5,
-    "architecture": _bloom,
+    "architecture": _mamba,
     "dtype": _fp16_llama,
     "training_mode": _training_llama,
 }
