@@ -126,6 +126,11 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's blocks that no running request holds (as vLLM's
+        ``LLM.reset_prefix_cache``), e.g. between timed runs; the number of blocks dropped."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine.close()
 

@@ -191,10 +191,21 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no sequence holds (they become free blocks); blocks in use
+        stay cached. Returns how many were dropped."""
+        n = len(self._evictable)
+        while self._evictable:
+            self._free_ids.append(self._evict_oldest())
+        return n
+
     def _take_block(self) -> int:
         """A block with ref count 0, from the free list or by evicting the oldest cached one."""
         if self._free_ids:
             return self._free_ids.popleft()
+        return self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
         block_id, _ = self._evictable.popitem(last=False)
         del self._cached[self._block_hash[block_id]]
         self._block_hash[block_id] = None

@@ -111,6 +111,22 @@ def test_shared_prefix_gets_same_blocks_with_ref_two():
     assert bm.prefix_cache_hit_rate == 0.0
 
 
+def test_reset_prefix_cache_drops_only_unheld_blocks():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = seq_of(range(8)), seq_of([*range(100, 108), 1])
+    for s in (a, b):
+        assert bm.allocate_slots(s, len(s))
+        computed(s, bm)
+    bm.free(a)  # a's two cached blocks are unheld; b still holds its own
+    assert bm.reset_prefix_cache() == 2
+    assert bm.get_computed_blocks(seq_of([*range(8), 5])) == ([], 0)  # a's prefix is gone
+    ids, n = bm.get_computed_blocks(seq_of([*range(100, 108), 7]))
+    assert n == 8 and ids == b.block_table[:2]  # b's blocks still hit
+    assert bm.num_free_blocks == 10 - len(b.block_table)
+    bm.free(b)
+    assert bm.reset_prefix_cache() == 2 and bm.num_free_blocks == 10
+
+
 def test_hit_capped_to_leave_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq_of(range(8))
