@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged import LLM, SamplingParams
-from tests.model.test_prompt_logprobs import check, prompts_of, tiny  # noqa: F401 (fixture)
+from tests.model.test_prompt_logprobs import check, prompts_of, run, tiny  # noqa: F401 (fixture)
 
 CASES = {
     "defaults": ([1, 7, 33, 60], dict(max_tokens=3, prompt_logprobs=2), {}),
@@ -18,24 +18,14 @@ CASES = {
 }  # fmt: skip
 
 
-def generate(path, prompts, params, **kwargs):
-    cfg = dict(max_model_len=128, kv_block_size=8, num_kv_blocks=256)
-    cfg.update(kwargs)
-    with LLM(path, **cfg) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = dict(llm.stats)
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-    return outs, stats
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_equals_sync_and_stock(tiny, case):  # noqa: F811
     path, hf = tiny
     lens, p, engine = CASES[case]
     prompts = prompts_of(lens, seed=len(case))
     params = SamplingParams(temperature=0.0, **p)
-    sync, _ = generate(path, prompts, params, async_scheduling=False, **engine)
-    ours, stats = generate(path, prompts, params, async_scheduling=True, **engine)
+    sync, _ = run(path, prompts, params, async_scheduling=False, **engine)
+    ours, stats = run(path, prompts, params, async_scheduling=True, **engine)
     assert stats["num_overlapped_steps"] > 0
     if case == "preempt":
         assert stats["num_preemptions"] > 0
