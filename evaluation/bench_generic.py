@@ -135,6 +135,13 @@ def check_stock(args, device) -> dict:
     return out
 
 
+def _without_outputs(obj):
+    """``obj`` with every run's generated token lists left out (megabytes; the figures stay)."""
+    if isinstance(obj, dict):
+        return {k: _without_outputs(v) for k, v in obj.items() if k != "outputs"}
+    return obj
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", choices=["impl", "stock"], required=True)
@@ -153,7 +160,7 @@ def main(argv=None) -> None:
     result["environment"] = environment()
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"generic_{args.check}_{utc_stamp()}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+    path.write_text(json.dumps(_without_outputs(result), indent=2, default=str))
     log(f"wrote {path}")
 
 
