@@ -7,8 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+import transformers
 
+from hf_paged.integration.pipeline import (
+    install_pipeline,
+    is_pipeline_installed,
+    uninstall_pipeline,
+)
 from hf_paged.testing import build_char_tokenizer, save_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +39,27 @@ def save_checkpoint(path: str, family: str = "llama", seed: int = 0) -> str:
     save_tiny_model(family, path, seed=seed)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+# module-scoped fixtures of the pipeline test files (import them by name into the module)
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_wrapper():
+    """``transformers.pipeline`` patched for the module, restored after it if it was not."""
+    was = is_pipeline_installed()
+    install_pipeline()
+    yield
+    if not was:
+        uninstall_pipeline()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint(str(tmp_path_factory.mktemp("pipe") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def stock_pipe(ckpt, pipeline_wrapper):
+    return transformers.pipeline("text-generation", model=ckpt, device="cpu")
 
 
 def stock_new_text(model, tokenizer, prompt, **generate_kwargs) -> str:

@@ -23,33 +23,19 @@ from hf_paged.integration.pipeline import (
     is_pipeline_installed,
     uninstall_pipeline,
 )
+from tests.integration import pipe_utils
 from tests.integration.pipe_utils import (
     CHAT,
     GREEDY,
     PROMPTS,
     SMALL_ENGINE,
-    save_checkpoint,
     stock_new_text,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_wrapper():
-    was = is_pipeline_installed()
-    install_pipeline()
-    yield
-    if not was:
-        uninstall_pipeline()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_checkpoint(str(tmp_path_factory.mktemp("pipe") / "llama"))
-
-
-@pytest.fixture(scope="module")
-def stock_pipe(ckpt, pipeline_wrapper):
-    return transformers.pipeline("text-generation", model=ckpt, device="cpu")
+# the module's fixtures (shared with the other pipeline test file)
+pipeline_wrapper = pipe_utils.pipeline_wrapper
+ckpt = pipe_utils.ckpt
+stock_pipe = pipe_utils.stock_pipe
 
 
 @pytest.fixture(scope="module")

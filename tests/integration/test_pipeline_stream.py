@@ -15,37 +15,19 @@ from transformers.pipelines.pt_utils import KeyDataset
 
 from hf_paged.cli import PagedCallCounter
 from hf_paged.integration import dispatch, generate
-from hf_paged.integration.pipeline import (
-    install_pipeline,
-    is_pipeline_installed,
-    uninstall_pipeline,
-)
-from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS, save_checkpoint
+from tests.integration import pipe_utils
+from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
+
+# the module's fixtures (shared with the other pipeline test file)
+pipeline_wrapper = pipe_utils.pipeline_wrapper
+ckpt = pipe_utils.ckpt
+stock_pipe = pipe_utils.stock_pipe
 
 # 16 sequences at once (> the batch sizes below), 4-token blocks, chunked prefill
 ENGINE = dict(
     device="cpu", num_kv_blocks=256, kv_block_size=4, max_num_seqs=16, max_num_batched_tokens=64
 )
 MANY = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(64)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_wrapper():
-    was = is_pipeline_installed()
-    install_pipeline()
-    yield
-    if not was:
-        uninstall_pipeline()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_checkpoint(str(tmp_path_factory.mktemp("stream") / "llama"))
-
-
-@pytest.fixture(scope="module")
-def stock_pipe(ckpt):
-    return transformers.pipeline("text-generation", model=ckpt, device="cpu")
 
 
 @pytest.fixture(scope="module")
