@@ -14,6 +14,7 @@ writes it as markdown).
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import tempfile
@@ -333,17 +334,28 @@ def _tf_version() -> str:
 
 
 def main(argv: list[str]) -> None:
-    write = None
-    if argv[:1] == ["--write"]:
-        write, argv = argv[1], argv[2:]
+    """``python -m tests.model.coverage_models [--write F] [--device D] [model_type ...]``: the
+    table on stdout (and in F); each row also goes to stderr as it finishes, so a run cut short
+    by a time limit still shows what it reached."""
+    p = argparse.ArgumentParser(prog="python -m tests.model.coverage_models")
+    p.add_argument("--write", default=None, help="also write the table to this file")
+    p.add_argument("--device", default="cpu", help="where models, prompts and engines run")
+    p.add_argument("model_types", nargs="*", help="default: every causal-LM entry")
+    args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    results = run_all(argv or None)
+    entries = causal_lm_entries()
+    if args.model_types:
+        entries = [e for e in entries if e[0] in args.model_types]
+    results = []
+    for mt, cls in entries:
+        r = run_arch(mt, cls, device=args.device)
+        results.append(r)
+        print(f"ROW {r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
+              file=sys.stderr, flush=True)  # fmt: skip
     table = markdown_table(results)
     print(table)
-    for r in results:
-        print(f"{r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s", file=sys.stderr)
-    if write:
-        with open(write, "w") as f:
+    if args.write:
+        with open(args.write, "w") as f:
             f.write(table)
 
 
