@@ -14,7 +14,9 @@
   against the same requests run directly by the same engine (``engine.run``, what
   ``LLM.generate`` runs) with the same stop strings, and again without stop strings and each
   request's own token count as max_tokens (the same tokens; overlapped stepping applies). Stock HFLM at ``--batch-size`` on the first
-  ``--stock-gen-requests`` (default 32) for reference.
+  ``--stock-gen-requests`` (default 32) for reference. A warm-up run of generate_until on a
+  same-shape set drawn with another seed comes first; the Triton compiles inside each timed
+  run are counted.
 
 Model: random bf16 weights of ``--arch`` (default Qwen3-0.6B shape); tokenizer: the character
 tokenizer padded to the model's vocabulary (``hf_paged.testing.build_char_tokenizer``).
@@ -39,7 +41,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import RESULTS_DIR, build_random_model, environment, log, sync, utc_stamp  # noqa: E402
+from workloads import (  # noqa: E402
+    RESULTS_DIR,
+    TritonCompileLog,
+    build_random_model,
+    environment,
+    log,
+    sync,
+    utc_stamp,
+)
 
 
 def loglikelihood_requests(contexts: int, conts: int, ctx_len: int, vocab: int, seed: int):
@@ -114,35 +124,56 @@ def bench_generate(lm, args, dispatch) -> dict:
     from hf_paged.engine.request import EngineRequest
     from hf_paged.engine.stop import StopStrings
 
-    rng = random.Random(2)
-    chars = [chr(c) for c in range(33, 127)]
-    texts = [
-        "".join(rng.choices(chars, k=rng.randint(100, 1024))) for _ in range(args.gen_requests)
-    ]
     gen_kwargs = {"until": ["\n\n"], "max_gen_toks": args.max_gen_toks, "do_sample": False}
-    inst = [Instance("generate_until", {}, (t, dict(gen_kwargs)), i) for i, t in enumerate(texts)]
+
+    def draw(seed: int) -> list[str]:
+        rng = random.Random(seed)
+        chars = [chr(c) for c in range(33, 127)]
+        return ["".join(rng.choices(chars, k=rng.randint(100, 1024))) for _ in range(args.gen_requests)]  # fmt: skip
+
+    def instances(texts: list[str]) -> list:
+        return [Instance("generate_until", {}, (t, dict(gen_kwargs)), i) for i, t in enumerate(texts)]  # fmt: skip
+
+    texts = draw(2)
+    inst = instances(texts)
     dispatch.set_default_backend("paged")
-    lm.generate_until(inst[:4], disable_tqdm=True)  # warm-up
+    # warm-up on a same-shape set drawn with another seed (no prefix shared with the timed
+    # one): the Triton kernels a whole run specializes are compiled before any timed run
+    lm.generate_until(instances(draw(3)), disable_tqdm=True)
     engine = dispatch.get_engine(lm.model)
     # every timed run starts from an empty prefix cache: the runs share their prompts, so
     # a run after another would otherwise skip most of its prefill
     engine.block_manager.reset_prefix_cache()
-    ours, t_ours = timed(lm.generate_until, inst)
+    with TritonCompileLog() as c_ours:
+        ours, t_ours = timed(lm.generate_until, inst)
     until = ("\n\n", lm.tok_decode(lm.eot_token_id, skip_special_tokens=False))
     stops = StopStrings.build(lm.tokenizer, until)
     params = engine_params(args.max_gen_toks, until)
     reqs = [EngineRequest(lm.tok_encode(t), params, stop_strings=stops) for t in texts]
     engine.block_manager.reset_prefix_cache()
-    outs, t_llm = timed(engine.run, reqs)
+    with TritonCompileLog() as c_llm:
+        outs, t_llm = timed(engine.run, reqs)
     tokens = sum(len(o.token_ids) for o in outs)
     plain = [EngineRequest(r.prompt_token_ids, engine_params(len(o.token_ids), ())) for r, o in
              zip(reqs, outs)]  # fmt: skip
     engine.block_manager.reset_prefix_cache()
     _, t_plain = timed(engine.run, plain)  # the same tokens, no stop strings: overlap-eligible
     same = sum(lm.tok_decode(o.token_ids).split("\n\n")[0] == s for o, s in zip(outs, ours))
+    if args.profile:  # one more generate_until run under cProfile, after the timed ones
+        import cProfile
+        import pstats
+
+        engine.block_manager.reset_prefix_cache()
+        prof = cProfile.Profile()
+        prof.runcall(lm.generate_until, inst)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     dispatch.set_default_backend("hf")
     n_stock = min(args.stock_gen_requests, len(inst))
     _, t_stock = timed(lm.generate_until, inst[:n_stock])
+    log(
+        f"Triton compiles in the timed runs: generate_until {c_ours.summary()['count']}, "
+        f"engine.run {c_llm.summary()['count']}"
+    )
     log(
         f"generate_until paged {t_ours:.2f}s, engine.run {t_llm:.2f}s (no stop strings "
         f"{t_plain:.2f}s), stock {t_stock:.2f}s on {n_stock}"
@@ -160,6 +191,8 @@ def bench_generate(lm, args, dispatch) -> dict:
         "same_text_as_engine_run": same / len(inst),
         "stock_requests": n_stock,
         "stock_s": t_stock,
+        "triton_compiles_generate_until": c_ours.summary(),
+        "triton_compiles_engine_run": c_llm.summary(),
     }
 
 
@@ -181,6 +214,7 @@ def main() -> None:
     p.add_argument("--max-gen-toks", type=int, default=256)
     p.add_argument("--stock-gen-requests", type=int, default=32)
     p.add_argument("--only", choices=("loglikelihood", "generate_until"), default=None)
+    p.add_argument("--profile", action="store_true", help="cProfile one more generate_until run")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, few requests")
     args = p.parse_args()
     if args.smoke:
