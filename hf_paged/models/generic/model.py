@@ -74,6 +74,7 @@ class GenericForCausalLM(nn.Module):
         self.cuda_graph_reason: str | None = None
         self.fuse = self.device.type == "cuda"  # fusions.py after loading (CUDA: for speed)
         self.fusion_stats: dict[str, int] = {}
+        self._type_buffers: list[tuple[nn.Module, str, int]] = []  # see _token_type_buffers
 
     @classmethod
     def build(cls, hf_config, ctx: ModelContext, dtype: torch.dtype, device) -> GenericForCausalLM:
@@ -117,6 +118,7 @@ class GenericForCausalLM(nn.Module):
                 raise UnsupportedModelError(
                     f"the CUDA fusions failed on this model: {type(e).__name__}: {e}"
                 ) from e
+        self._type_buffers = _token_type_buffers(self.hf_model)
         self._profile()
         if self.device.type == "cuda" and self.supports_cuda_graph:
             from hf_paged.models.generic.graph_probe import cuda_graph_problem
@@ -153,6 +155,8 @@ class GenericForCausalLM(nn.Module):
     # ---- internals --------------------------------------------------------------------------
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._type_buffers and input_ids.shape[0] > self._type_buffers[0][2]:
+            self._type_buffers = _grow_token_types(self._type_buffers, input_ids.shape[0])
         out = self.backbone(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False
         )
@@ -199,3 +203,38 @@ class GenericForCausalLM(nn.Module):
         st = self.state
         st.defer_rope = envs.HF_PAGED_FUSED and st.rope_calls > 0 and not st.rope_mismatch
         self.layer_specs = [r.spec for r in records]
+
+
+def _token_type_buffers(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
+    """(module, name, length) of each ``token_type_ids`` buffer ``[1, N]`` (BERT-style
+    embeddings), shortest first. BigBird slices it by the step's length
+    (``token_type_ids[:, :seq_length]``), and a flattened step of many prompts is longer than
+    ``N`` (``max_position_embeddings``): ``_grow_token_types`` pads it with zeros first.
+
+    Raises:
+        UnsupportedModelError: such a buffer is not all zeros (a flattened step would give its
+            tokens the types of other positions).
+    """
+    found = []
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name != "token_type_ids" or buf.dim() != 2 or buf.shape[0] != 1:
+                continue
+            if buf.is_floating_point() or bool(buf.any()):
+                raise UnsupportedModelError(
+                    f"{type(module).__name__}.token_type_ids is not an all-zero index buffer"
+                )
+            found.append((module, name, buf.shape[1]))
+    return sorted(found, key=lambda f: f[2])
+
+
+def _grow_token_types(buffers: list, length: int) -> list[tuple[nn.Module, str, int]]:
+    """The buffers of ``_token_type_buffers``, each replaced by zeros of ``[1, length]``."""
+    grown = []
+    for module, name, n in buffers:
+        if n < length:
+            old = module._buffers[name]
+            module._buffers[name] = torch.zeros(1, length, dtype=old.dtype, device=old.device)
+            n = length
+        grown.append((module, name, n))
+    return grown
