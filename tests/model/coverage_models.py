@@ -210,10 +210,17 @@ def _generate(model, ids, mask, **kw):
 
 
 def run_arch(
-    model_type: str, class_name: str, model_impl: str = "auto", device: str = "cpu"
+    model_type: str,
+    class_name: str,
+    model_impl: str = "auto",
+    device: str = "cpu",
+    block_size: int = BLOCK_SIZE,
+    wide: bool = True,
 ) -> ArchResult:
     """Build, save, reload, and compare paged with stock greedy for one architecture (model,
-    prompts and engine on ``device``)."""
+    prompts and engine on ``device``; KV blocks of ``block_size``: the Triton kernels need at
+    least 8, so CUDA runs at 4 use the torch reference attention); then the wide step
+    (``WIDE_COPIES``) unless ``wide`` is False."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from hf_paged.integration.dispatch import (
@@ -244,16 +251,16 @@ def run_arch(
         return res
     _reset_fallback_warnings()
     # no prefix caching: the wide step's copies of one prompt each compute all their tokens
-    cfg = dict(kv_block_size=BLOCK_SIZE, model_impl=model_impl, max_model_len=64,
+    cfg = dict(kv_block_size=block_size, model_impl=model_impl, max_model_len=64,
                num_kv_blocks=64 * WIDE_COPIES, enable_prefix_caching=False, device=device)  # fmt: skip
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = _generate(model, ids, mask, backend="paged", paged_config=cfg)
             fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
-            k, wide = WIDE_COPIES, None
-            if not fell and torch.equal(out, ref):  # the wide step, on the same engine
-                wide = _generate(model, ids.repeat(k, 1), mask.repeat(k, 1), backend="paged",
+            k, wide_out = WIDE_COPIES, None
+            if wide and not fell and torch.equal(out, ref):  # the wide step, same engine
+                wide_out = _generate(model, ids.repeat(k, 1), mask.repeat(k, 1), backend="paged",
                                  paged_config=cfg)  # fmt: skip
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
@@ -262,9 +269,9 @@ def run_arch(
             res.status, res.detail = "failure", "no fallback warning, but no engine was built"
         elif not torch.equal(out, ref):
             res.status, res.detail = "failure", _first_diff(ref, out)
-        elif not torch.equal(wide, ref.repeat(k, 1)):
+        elif wide_out is not None and not torch.equal(wide_out, ref.repeat(k, 1)):
             res.status = "failure"
-            res.detail = f"wide step ({k} copies): {_first_diff(ref.repeat(k, 1), wide)}"
+            res.detail = f"wide step ({k} copies): {_first_diff(ref.repeat(k, 1), wide_out)}"
         else:
             res.status, res.detail = "served", "identical"
     except Exception as e:  # noqa: BLE001  a paged call must never raise here
@@ -315,16 +322,23 @@ def summary(results: list[ArchResult]) -> dict[str, int]:
     return counts
 
 
-def markdown_table(results: list[ArchResult]) -> str:
+def markdown_table(
+    results: list[ArchResult], block_size: int = BLOCK_SIZE, wide: bool = True
+) -> str:
     """The coverage table: decoder-only text architectures first, then the ones not counted."""
+    wide_text = (
+        f", then {WIDE_COPIES} copies of them in one engine call (a "
+        f"{WIDE_COPIES * sum(PROMPT_LENS)}-token step)"
+        if wide
+        else ""
+    )
     c = summary(results)
     lines = [
         f"{c['served']} of {c['built']} decoder-only text architectures that build tiny are "
         f"served ({c['served_pct']}%), {c['fallback']} fall back with a named reason, "
         f"{c['failure']} fail. Tiny random fp32 models (hidden {HIDDEN}, 2 layers, vocab "
         f"{VOCAB}), left-padded prompts of {', '.join(map(str, PROMPT_LENS))} tokens, "
-        f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {BLOCK_SIZE}, then {WIDE_COPIES} copies "
-        f"of them in one engine call (a {WIDE_COPIES * sum(PROMPT_LENS)}-token step); transformers "
+        f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {block_size}{wide_text}; transformers "
         f"{_tf_version()}.",
         "",
         "| model_type | class | result | detail |",
@@ -354,6 +368,8 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.model.coverage_models")
     p.add_argument("--write", default=None, help="also write the table to this file")
     p.add_argument("--device", default="cpu", help="where models, prompts and engines run")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV block size")
+    p.add_argument("--no-wide", action="store_true", help="skip the wide step")
     p.add_argument("model_types", nargs="*", help="default: every causal-LM entry")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -362,11 +378,11 @@ def main(argv: list[str]) -> None:
         entries = [e for e in entries if e[0] in args.model_types]
     results = []
     for mt, cls in entries:
-        r = run_arch(mt, cls, device=args.device)
+        r = run_arch(mt, cls, device=args.device, block_size=args.block_size, wide=not args.no_wide)
         results.append(r)
         print(f"ROW {r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
               file=sys.stderr, flush=True)  # fmt: skip
-    table = markdown_table(results)
+    table = markdown_table(results, args.block_size, not args.no_wide)
     print(table)
     if args.write:
         with open(args.write, "w") as f:
