@@ -316,7 +316,9 @@ class LLMEngine:
             seq = r.seq
             req = self._seq_to_req[seq.seq_id]
             n_out = r.pos + 1 - seq.num_prompt_tokens
-            hit = req.stop_strings is not None and req.stop_strings.matches(seq.token_ids, r.pos + 1)
+            hit = req.stop_strings is not None and req.stop_strings.matches(
+                seq.token_ids, r.pos + 1
+            )
             stopped = "stop" == check_stop(
                 n_out, r.token_id, r.pos + 1, req.params, req.stop_ids, self.runtime.max_model_len,
                 stop_string_hit=hit,

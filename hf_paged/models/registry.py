@@ -139,7 +139,9 @@ def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> 
     hf_class = getattr(cls, "hf_class", None)  # the generic path: the HF class it builds
     built = hf_class(hf_config).__name__ if hf_class is not None else cls.__name__
     if model_cls.__name__ != built:
-        return f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})"
+        return (
+            f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})"
+        )
     return None
 
 
