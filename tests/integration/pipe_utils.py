@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from hf_paged.cli import PagedCallCounter
 from hf_paged.integration.pipeline import (
     install_pipeline,
     is_pipeline_installed,
@@ -60,6 +61,15 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stock_pipe(ckpt, pipeline_wrapper):
     return transformers.pipeline("text-generation", model=ckpt, device="cpu")
+
+
+@pytest.fixture
+def counter():
+    """Counts the engine's calls during one test."""
+    c = PagedCallCounter()
+    c.install()
+    yield c
+    c.uninstall()
 
 
 def stock_new_text(model, tokenizer, prompt, **generate_kwargs) -> str:

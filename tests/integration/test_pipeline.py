@@ -14,7 +14,6 @@ from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
-from hf_paged.cli import PagedCallCounter
 from hf_paged.integration import dispatch
 from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
 from hf_paged.integration.datasets_map import paged_generate_map
@@ -36,6 +35,7 @@ from tests.integration.pipe_utils import (
 pipeline_wrapper = pipe_utils.pipeline_wrapper
 ckpt = pipe_utils.ckpt
 stock_pipe = pipe_utils.stock_pipe
+counter = pipe_utils.counter
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,6 @@ def paged_pipe(ckpt, pipeline_wrapper):
     )
     yield pipe
     pipe.model.close()
-
-
-@pytest.fixture
-def counter():
-    c = PagedCallCounter()
-    c.install()
-    yield c
-    c.uninstall()
 
 
 # ---- pipeline(model=<path>, backend="paged") ----------------------------------------------------

@@ -13,7 +13,6 @@ from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
-from hf_paged.cli import PagedCallCounter
 from hf_paged.integration import dispatch, generate
 from tests.integration import pipe_utils
 from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
@@ -22,6 +21,7 @@ from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
 pipeline_wrapper = pipe_utils.pipeline_wrapper
 ckpt = pipe_utils.ckpt
 stock_pipe = pipe_utils.stock_pipe
+counter = pipe_utils.counter
 
 # 16 sequences at once (> the batch sizes below), 4-token blocks, chunked prefill
 ENGINE = dict(
@@ -44,14 +44,6 @@ def paged_pipe(ckpt):
     )
     yield pipe
     pipe.model.close()
-
-
-@pytest.fixture
-def counter():
-    c = PagedCallCounter()
-    c.install()
-    yield c
-    c.uninstall()
 
 
 def _no_leaks(engine) -> None:
