@@ -74,7 +74,7 @@ class GenericForCausalLM(nn.Module):
         self.cuda_graph_reason: str | None = None
         self.fuse = self.device.type == "cuda"  # fusions.py after loading (CUDA: for speed)
         self.fusion_stats: dict[str, int] = {}
-        self._type_buffers: list[tuple[nn.Module, str, int]] = []  # see _token_type_buffers
+        self._type_buffers: list[tuple[nn.Module, int]] = []  # see _token_type_buffers
 
     @classmethod
     def build(cls, hf_config, ctx: ModelContext, dtype: torch.dtype, device) -> GenericForCausalLM:
@@ -155,7 +155,7 @@ class GenericForCausalLM(nn.Module):
     # ---- internals --------------------------------------------------------------------------
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._type_buffers and input_ids.shape[0] > self._type_buffers[0][2]:
+        if self._type_buffers and input_ids.shape[0] > self._type_buffers[0][1]:
             self._type_buffers = _grow_token_types(self._type_buffers, input_ids.shape[0])
         out = self.backbone(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False
@@ -205,8 +205,8 @@ class GenericForCausalLM(nn.Module):
         self.layer_specs = [r.spec for r in records]
 
 
-def _token_type_buffers(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
-    """(module, name, length) of each ``token_type_ids`` buffer ``[1, N]`` (BERT-style
+def _token_type_buffers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(module, length) of each ``token_type_ids`` buffer ``[1, N]`` (BERT-style
     embeddings), shortest first. BigBird slices it by the step's length
     (``token_type_ids[:, :seq_length]``), and a flattened step of many prompts is longer than
     ``N`` (``max_position_embeddings``): ``_grow_token_types`` pads it with zeros first.
@@ -224,17 +224,19 @@ def _token_type_buffers(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
                 raise UnsupportedModelError(
                     f"{type(module).__name__}.token_type_ids is not an all-zero index buffer"
                 )
-            found.append((module, name, buf.shape[1]))
-    return sorted(found, key=lambda f: f[2])
+            found.append((module, buf.shape[1]))
+    return sorted(found, key=lambda f: f[1])
 
 
-def _grow_token_types(buffers: list, length: int) -> list[tuple[nn.Module, str, int]]:
+def _grow_token_types(buffers: list, length: int) -> list[tuple[nn.Module, int]]:
     """The buffers of ``_token_type_buffers``, each replaced by zeros of ``[1, length]``."""
     grown = []
-    for module, name, n in buffers:
+    for module, n in buffers:
         if n < length:
-            old = module._buffers[name]
-            module._buffers[name] = torch.zeros(1, length, dtype=old.dtype, device=old.device)
+            old = module._buffers["token_type_ids"]
+            module._buffers["token_type_ids"] = torch.zeros(
+                1, length, dtype=old.dtype, device=old.device
+            )
             n = length
-        grown.append((module, name, n))
+        grown.append((module, n))
     return grown
