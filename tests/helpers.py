@@ -12,7 +12,7 @@ from torch import nn
 
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.models.protocol import KVCache
+from hf_paged.attention.kv_cache import KVCache
 from hf_paged.testing import (  # noqa: F401  (re-exported for tests)
     FAMILIES,
     build_hf_model,

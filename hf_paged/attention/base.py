@@ -10,19 +10,16 @@ KV cache layout per layer: ``k_cache`` ``[num_blocks, block_size, num_kv_heads, 
 ``v_cache`` ``[..., head_dim_v]``; token t of a sequence lives in block
 ``block_tables[i, t // block_size]`` at offset ``t % block_size``; its flat slot is
 ``block_id * block_size + offset``. The ModelRunner owns the caches (a
-``hf_paged.models.protocol.KVCache``) and passes them in ``AttentionMetadata.kv_cache``.
+``hf_paged.attention.kv_cache.KVCache``) and passes them in ``AttentionMetadata.kv_cache``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # typing only: attention/ sits below models/
-    from hf_paged.models.protocol import KVCache
+from hf_paged.attention.kv_cache import KVCache
 
 
 @dataclass

@@ -6,7 +6,7 @@ Construction, in order: process group -> model + weights on the rank's device ->
 The model is any ``hf_paged.models.protocol.PagedModel``: the runner sizes the ``KVCache`` from
 its ``kv_cache_specs`` and passes the cache in every step's ``AttentionMetadata.kv_cache``.
 Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
-(``ipc.WorkerGroup``) dispatches what rank 0 broadcasts, by method name, to their runner.
+(``tp.workers.WorkerGroup``) dispatches what rank 0 broadcasts, by method name, to their runner.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
-from hf_paged.models.protocol import KVCache, KVCacheSpec
+from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
@@ -44,6 +44,18 @@ class RunnerSpec:
     max_model_len: int
     # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
     envs: dict = field(default_factory=hf_envs.snapshot)
+
+    @classmethod
+    def from_runtime(cls, runtime, model_source) -> RunnerSpec:
+        """The spec of an engine's runners (``runtime``: its ``RuntimeInfo``)."""
+        return cls(
+            config=runtime.config,
+            hf_config=runtime.hf_config,
+            model_source=model_source,
+            device=runtime.device,
+            dtype=runtime.dtype,
+            max_model_len=runtime.max_model_len,
+        )
 
 
 class PendingTokens:

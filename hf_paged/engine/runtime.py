@@ -97,7 +97,7 @@ def _check_servable(model, hf_config) -> None:
             "checkpoint, or use transformers' generate for this one"
         )
     if not isinstance(model, (str, os.PathLike)):
-        from hf_paged.integration import peft
+        from hf_paged.models import peft
 
         reason = peft.unsupported_reason(model)
         if reason is not None:
@@ -132,7 +132,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     """
     from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
-    from hf_paged.integration.peft import is_peft_model, unwrap
+    from hf_paged.models.peft import is_peft_model, unwrap
 
     if is_peft_model(model):
         _check_servable(model, None)

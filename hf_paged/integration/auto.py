@@ -60,7 +60,7 @@ class AutoPagedModelForCausalLM:
                 message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
-        from hf_paged.integration.peft import is_adapter_dir
+        from hf_paged.models.peft import is_adapter_dir
 
         if is_adapter_dir(path):
             raise ValueError(

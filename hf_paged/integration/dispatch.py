@@ -35,7 +35,7 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
-from hf_paged.integration import peft
+from hf_paged.models import peft
 from hf_paged.integration.generate import PagedFallback, generate_paged
 
 ENV_VAR = "HF_PAGED_BACKEND"

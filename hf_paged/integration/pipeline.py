@@ -130,7 +130,7 @@ def _build(original, bound, backend, paged_config):
         PagedModelForCausalLM,
         quantized_checkpoint_reason,
     )
-    from hf_paged.integration.peft import is_adapter_dir
+    from hf_paged.models.peft import is_adapter_dir
 
     a = bound.arguments
     task, model = a.get("task"), a.get("model")

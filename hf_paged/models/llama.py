@@ -35,7 +35,7 @@ from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from hf_paged.layers.rotary import RotaryEmbedding
 from hf_paged.models import loader
-from hf_paged.models.protocol import KVCacheSpec
+from hf_paged.attention.kv_cache import KVCacheSpec
 
 
 @dataclass(frozen=True)

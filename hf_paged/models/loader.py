@@ -150,12 +150,12 @@ def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     A plain model yields its own parameters (storage shared). A model with PEFT adapters (a
     ``PeftModel``, or adapters injected into the HF model) yields the weights PEFT's forward
     applies under the plain names: LoRA merged into new tensors, the model left unchanged
-    (``hf_paged.integration.peft``).
+    (``hf_paged.models.peft``).
 
     Raises:
         ValueError: a weight on the meta device, or adapters the merge can't reproduce.
     """
-    from hf_paged.integration import peft  # imports peft only where the process already has
+    from hf_paged.models import peft  # imports peft only where the process already has
 
     if peft.is_peft_model(hf_model) or peft.tuner_modules(hf_model):
         items = peft.merged_weights(hf_model)

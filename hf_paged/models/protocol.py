@@ -1,4 +1,4 @@
-"""The model protocol: what the engine needs from a model path, and the KV cache it owns.
+"""The model protocol: what the engine needs from a model path.
 
 A model path (the native decoders in ``models/llama.py``, or the generic path over HF's own
 modules) implements :class:`PagedModel`; the ModelRunner touches nothing else. The runner sizes
@@ -9,120 +9,12 @@ and allocates a :class:`KVCache` from ``model.kv_cache_specs`` and passes it to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from hf_paged.attention.base import AttentionMetadata
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """One attention layer's KV cache on this rank."""
-
-    num_kv_heads: int  # on this rank
-    head_dim: int  # K head dim
-    head_dim_v: int  # V head dim (MLA's naive form: K 192, V 128)
-    sliding_window: int | None = None  # informational (the cache still keeps every token)
-
-    def __post_init__(self) -> None:
-        for name in ("num_kv_heads", "head_dim", "head_dim_v"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVCacheSpec {name}={value!r} is not allowed: an int >= 1")
-
-    def block_bytes(self, block_size: int, element_size: int) -> int:
-        """Bytes of one block of this layer, K and V."""
-        return block_size * self.num_kv_heads * (self.head_dim + self.head_dim_v) * element_size
-
-
-class KVCache:
-    """The paged K/V caches of every layer; owned by the ModelRunner.
-
-    ``kv_cache[layer] -> (k_cache, v_cache)`` of shapes
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` / ``[..., head_dim_v]``, contiguous.
-    One block id addresses the same tokens in every layer. Layers with equal specs share one
-    allocation ``[2, n_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V
-    together when their head dims agree), so a uniform model has today's single tensor and every
-    layer's caches have the same strides. Zero-filled (a graph's padding rows read them).
-
-    Raises:
-        ValueError: no specs, or a block count < 1.
-    """
-
-    def __init__(
-        self,
-        specs: list[KVCacheSpec],
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        if not specs:
-            raise ValueError("KVCache needs at least one KVCacheSpec (a model without KV layers?)")
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
-        self.specs = list(specs)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.dtype = dtype
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(specs)  # type: ignore[list-item]
-        self.storage: list[torch.Tensor] = []  # the allocations, one or two per distinct spec
-        groups: dict[KVCacheSpec, list[int]] = {}
-        for i, spec in enumerate(self.specs):
-            groups.setdefault(spec, []).append(i)
-        for spec, layers in groups.items():
-            k_all, v_all = self._allocate(spec, len(layers), device)
-            for j, i in enumerate(layers):
-                self._layers[i] = (k_all[j], v_all[j])
-
-    def _allocate(self, spec: KVCacheSpec, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``n`` layers: [n, num_blocks, block_size, H, D] each (Dv for V)."""
-        shape = (n, self.num_blocks, self.block_size, spec.num_kv_heads)
-        if spec.head_dim == spec.head_dim_v:
-            kv = torch.zeros(2, *shape, spec.head_dim, dtype=self.dtype, device=device)
-            self.storage.append(kv)
-            return kv[0], kv[1]
-        k = torch.zeros(*shape, spec.head_dim, dtype=self.dtype, device=device)
-        v = torch.zeros(*shape, spec.head_dim_v, dtype=self.dtype, device=device)
-        self.storage += [k, v]
-        return k, v
-
-    @staticmethod
-    def block_bytes(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id costs: summed over layers, K and V."""
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return sum(s.block_bytes(block_size, elem) for s in specs)
-
-    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache)`` of KV layer ``layer``.
-
-        Raises:
-            RuntimeError: after ``release``.
-            IndexError: ``layer`` outside 0..len-1.
-        """
-        if not self.storage:
-            raise RuntimeError("this KVCache was released")
-        return self._layers[layer]
-
-    def __len__(self) -> int:
-        return len(self.specs)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.storage)
-
-    def release(self) -> None:
-        """Drop every tensor (the memory returns once no view is left elsewhere)."""
-        self._layers = [None] * len(self.specs)  # type: ignore[list-item]
-        self.storage = []
-
-    def __repr__(self) -> str:
-        return (
-            f"KVCache(layers={len(self)}, num_blocks={self.num_blocks}, "
-            f"block_size={self.block_size}, dtype={self.dtype}, allocations={len(self.storage)})"
-        )
+from hf_paged.attention.base import AttentionMetadata
+from hf_paged.attention.kv_cache import KVCacheSpec
 
 
 @runtime_checkable

@@ -155,7 +155,7 @@ def test_fusions_keep_tokens(model_type):
         model = build_model(config, ctx, torch.float32, "cpu", "generic")
         model.fuse = fuse
         model.load_weights(hf)
-        from hf_paged.models.protocol import KVCache
+        from hf_paged.attention.kv_cache import KVCache
 
         meta, pos = build_metadata([5, 3], [5, 3], 4, 2)
         meta.kv_cache = KVCache(model.kv_cache_specs, 4, 4, torch.float32, "cpu")

@@ -86,7 +86,7 @@ def env_probe(rank, world_size, path):
 
 
 def _sigint_parent() -> None:
-    from hf_paged.engine.ipc import WorkerGroup
+    from hf_paged.engine.tp.workers import WorkerGroup
 
     address = f"127.0.0.1:{find_free_port()}"
     group = WorkerGroup(2, DummyTarget, address)

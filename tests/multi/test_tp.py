@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine import tp_executor
-from hf_paged.engine.ipc import EngineDeadError, WorkerGroup
+from hf_paged.engine.tp import executor as tp_executor
+from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing import save_tiny_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

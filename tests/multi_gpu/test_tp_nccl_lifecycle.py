@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.ipc import EngineDeadError
+from hf_paged.engine.tp.workers import EngineDeadError
 from tests.multi_gpu.nccl_models import (
     ENGINE,
     needs_gpus,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.attention.base import AttentionMetadata
-from hf_paged.models.protocol import KVCache
+from hf_paged.attention.kv_cache import KVCache
 
 _BLOCKS_PER_SEQ = 2
 

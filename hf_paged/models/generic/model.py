@@ -33,7 +33,7 @@ from hf_paged.models.generic.support import (
 )
 from hf_paged.models.generic.tp import apply_tp_plan
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
-from hf_paged.models.protocol import KVCacheSpec
+from hf_paged.attention.kv_cache import KVCacheSpec
 
 
 class GenericForCausalLM(nn.Module):

@@ -1,4 +1,4 @@
-"""The body of a tensor-parallel worker process (the ``WorkerGroup`` spawn target, see ipc.py).
+"""The body of a tensor-parallel worker process (the ``WorkerGroup`` spawn target, see workers.py).
 
 It arms its parent-death checks before anything else, starts its heartbeat, builds its target,
 then runs every broadcast call until "exit".
@@ -16,8 +16,8 @@ import time
 import traceback
 
 from hf_paged import envs
-from hf_paged.engine.shm_broadcast import ShmReader
-from hf_paged.engine.worker_health import set_parent_death_signal, start_beating
+from hf_paged.engine.tp.shm_broadcast import ShmReader
+from hf_paged.engine.tp.worker_health import set_parent_death_signal, start_beating
 
 
 def worker_main(

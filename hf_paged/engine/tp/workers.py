@@ -36,9 +36,9 @@ import weakref
 from dataclasses import dataclass, field
 
 from hf_paged import envs
-from hf_paged.engine.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
-from hf_paged.engine.worker_health import Heartbeats, StderrTail
-from hf_paged.engine.worker_main import worker_main
+from hf_paged.engine.tp.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
+from hf_paged.engine.tp.worker_health import Heartbeats, StderrTail
+from hf_paged.engine.tp.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
 

@@ -1,6 +1,6 @@
 """Tensor-parallel executor: rank 0's ModelRunner here, ranks 1..N-1 in spawned workers.
 
-Every step rank 0 broadcasts the ModelInput through shared memory (``ipc.WorkerGroup``), then
+Every step rank 0 broadcasts the ModelInput through shared memory (``tp.workers.WorkerGroup``), then
 runs it itself; the ranks meet in the collectives inside the forward pass (row-parallel
 all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``.
 
@@ -23,8 +23,7 @@ import torch
 
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.distributed.process_group import create_process_group, reserve_port
-from hf_paged.engine.executor import runner_spec
-from hf_paged.engine.ipc import WorkerGroup
+from hf_paged.engine.tp.workers import WorkerGroup
 from hf_paged.engine.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.runtime import RuntimeInfo
@@ -71,7 +70,7 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
-        spec = runner_spec(runtime, runtime.model_path)
+        spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
         # The store's socket is bound here, to 127.0.0.1 only (TCPStore alone would listen on
         # every interface), and handed over: no other process can take the port in between.
         listen = reserve_port("127.0.0.1")
