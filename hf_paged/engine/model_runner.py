@@ -19,6 +19,7 @@ import torch
 
 from hf_paged import envs as hf_envs
 from hf_paged.attention import AttentionMetadata, select_backend
+from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
@@ -26,7 +27,6 @@ from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
-from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2

@@ -35,8 +35,8 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
-from hf_paged.models import peft
 from hf_paged.integration.generate import PagedFallback, generate_paged
+from hf_paged.models import peft
 
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
