@@ -358,6 +358,7 @@ class ModelRunner:
         the chunks with ``sample=True``) and returns the external rows' raw logits."""
         prof = self.profile
         with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
             input_ids, positions, meta, logits_idx = prepare(inp)
         scores = None
@@ -407,6 +408,7 @@ class ModelRunner:
         is row r of ``prev``'s sampled tokens, taken on the device."""
         prof = self.profile
         with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
             input_ids, positions, meta, logits_idx = prepare(inp)
             if prev is not None and prev_rows is not None:

@@ -18,6 +18,8 @@ class SchedulerOutput:
     seqs: list[Sequence]  # scheduled sequences, running order (prefill chunks and decodes mixed)
     num_new_tokens: list[int]  # per seq: tokens whose KV this step computes (1 for a decode)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+    # copy-on-write of forked blocks: (src_block, dst_block), applied before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -35,7 +37,7 @@ class SchedulerOutput:
             chunks.append(ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample))
             if sample:
                 sampled.append(seq)
-        return ModelInput(chunks), sampled
+        return ModelInput(chunks, self.blocks_to_copy), sampled
 
 
 @dataclass
@@ -86,6 +88,8 @@ class ModelInput:
     """One forward pass: every rank gets the same ModelInput."""
 
     chunks: list[ScheduledChunk]
+    # (src_block, dst_block): copy these blocks' K/V in every layer before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:

@@ -106,9 +106,12 @@ class RequestGroup:
         """Requests added and not yet reported finished."""
         return len(self._open)
 
-    def add(self, request: EngineRequest, *, external_sampling: bool = False):
+    def add(self, request: EngineRequest, *, external_sampling: bool = False,
+            beam_search: bool = False):  # fmt: skip
         """Queue one request; returns its id. Raises what ``add_request`` raises (nothing queued)."""
         kwargs = {"external_sampling": external_sampling}
+        if beam_search:
+            kwargs["beam_search"] = True
         if request.prompt is not None:
             kwargs["prompt"] = request.prompt
         if request.stop_strings is not None:

@@ -35,6 +35,8 @@ class RequestState:
     stop_strings: StopStrings | None = None  # matcher for params.stop
     prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
+    # external beam search: ``seqs`` are its beams, replaced each step by ``provide_beams``
+    beam_search: bool = False
 
     @classmethod
     def build(
@@ -118,6 +120,17 @@ class RequestTable:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(req.params.seed + i)
                 self._generators[seq.seq_id] = g
+
+    def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
+        """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""
+        keep = {s.seq_id for s in seqs}
+        for seq in req.seqs:
+            if seq.seq_id not in keep:
+                self._by_seq.pop(seq.seq_id, None)
+                self._generators.pop(seq.seq_id, None)
+        for seq in seqs:
+            self._by_seq[seq.seq_id] = req
+        req.seqs = list(seqs)
 
     def of(self, seq_id: int) -> RequestState | None:
         """The request a sequence belongs to (None once reported)."""

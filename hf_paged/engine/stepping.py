@@ -24,6 +24,8 @@ class StepResult:
     # external-sampling requests: request_id -> next-token raw logits [V] float32 (on the
     # engine's device)
     logits: dict = field(default_factory=dict)
+    # external beam-search requests: (request_id, beam index) -> next-token raw logits [V]
+    beam_logits: dict = field(default_factory=dict)
     num_generated_tokens: int = 0  # tokens sampled (or handed out as logits) by this step
 
 
@@ -62,7 +64,10 @@ class Stepper:
         for row, (seq, req) in enumerate(zip(sampled_seqs, reqs)):
             if req.external:
                 self.engine.pause(seq)
-                result.logits[req.request_id] = ro.logits[row]
+                if req.beam_search:
+                    result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[row]
+                else:
+                    result.logits[req.request_id] = ro.logits[row]
                 continue
             if ro.logprobs is not None and req.params.logprobs is not None:
                 req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
