@@ -212,7 +212,7 @@ class PagedGenerateMap:
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             **self.generate_kwargs,
         )
-        if call.input_ids.shape[0] != 1:
+        if call.generation_config.num_return_sequences != 1:  # (beams: rows = num_beams)
             raise ValueError(
                 f"num_return_sequences={call.generation_config.num_return_sequences} is not "
                 "allowed: paged_generate_map writes one generation per row"

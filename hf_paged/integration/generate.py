@@ -28,6 +28,7 @@ from transformers.generation import (
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest, RequestGroup, draw_seeds
+from hf_paged.integration.beam_search import generate_beams
 from hf_paged.integration.prepare import (  # noqa: F401  (re-exported)
     PagedFallback,
     PreparedCall,
@@ -49,6 +50,8 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     """
     call = prepare_call(model, **generate_kwargs)
     engine = get_engine()
+    if call.generation_config.num_beams > 1:  # beam search / beam sampling
+        return generate_beams(model, engine, call)
     plan = plan_call(call, engine)
     with torch.no_grad():
         if plan is not None:

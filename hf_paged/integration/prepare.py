@@ -22,6 +22,14 @@ from transformers.generation.stopping_criteria import (
 )
 
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
+# beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
+# ``custom_generate`` code in transformers v5 and run stock
+_SERVED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+)
 
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
 # values ...) changes what the model computes, so the call runs stock
@@ -115,7 +123,7 @@ def prepare_call(
 
     input_ids, expanded = model._expand_inputs_for_generation(
         input_ids=inputs_tensor,
-        expand_size=gen.num_return_sequences,
+        expand_size=max(gen.num_beams, gen.num_return_sequences),  # as stock: rows per prompt
         is_encoder_decoder=False,
         attention_mask=mask,
     )
@@ -193,7 +201,7 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
 
 def _check_generation_config(gen) -> None:
     mode = gen.get_generation_mode(None)
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+    if mode not in _SERVED_MODES:
         raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gen, flag, False):

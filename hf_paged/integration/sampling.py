@@ -180,6 +180,8 @@ def _check_warper(p) -> None:
 
 def native_plan(call, vocab_size: int) -> NativePlan | None:
     """``plan_native`` for a prepared generate call; None when it must sample externally."""
+    if call.generation_config.num_beams > 1:  # beams: never per-row sampling (beam_search.py)
+        return None
     try:
         plan = plan_native(
             call.processors,
