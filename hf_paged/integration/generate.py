@@ -43,7 +43,7 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
-        ``GenerateDecoderOnlyOutput`` (``cache=None``) with ``return_dict_in_generate``.
+        ``GenerateDecoderOnlyOutput`` (no cache) with ``return_dict_in_generate``.
 
     Raises:
         PagedFallback: before any request is queued.
@@ -61,7 +61,8 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     gen = call.generation_config
     if not gen.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, cache=None)
+    # no cache field: 5.17 names it past_key_values, 5.24 cache; both default to None
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
 
 
 def plan_call(call: PreparedCall, engine) -> NativePlan | None:
