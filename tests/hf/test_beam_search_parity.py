@@ -199,6 +199,29 @@ def test_processors_logits_and_user_processor_see_what_stock_gives_them(models, 
         torch.testing.assert_close(ps, ss, atol=1e-4, rtol=1e-4)
 
 
+def test_an_error_mid_call_leaves_the_engine_clean(models):
+    class Fails(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            Fails.calls += 1
+            if Fails.calls == 3:
+                raise RuntimeError("processor failed")
+            return scores
+
+    model = models[4]  # tight: some beams are parked or preempted when it fails
+    ids, mask = left_pad([5, 9, 3, 12, 7], seed=4)
+    with pytest.raises(RuntimeError, match="processor failed"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, num_beams=4,
+                       logits_processor=[Fails()], backend="paged")  # fmt: skip
+    engine = dispatch.get_engine(model)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.runtime.num_kv_blocks
+    stock, paged = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                   num_beams=4)  # fmt: skip
+    assert torch.equal(paged, stock)  # and it serves the next call
+
+
 def test_plain_tensor_and_dict_without_scores(models):
     ids, mask = left_pad([4, 7, 2], seed=3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=3)
