@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from datetime import timedelta
 
 import torch
 
@@ -27,8 +26,11 @@ class DummyTarget:
         if fail_in_init and rank != 0:
             raise ValueError("dummy construction failed on purpose")
         self.rank = rank
+        # the engine's start (engine/tp/executor.py): the store's default timeout, so rank 0
+        # waits for workers that are alive but slow to import torch (a loaded machine takes
+        # minutes), while abort_check ends the wait at once when one of them dies
         self.pg = create_process_group(
-            rank, world_size, init_address, "cpu", timedelta(seconds=60), abort_check
+            rank, world_size, init_address, "cpu", abort_check=abort_check
         )
         self.comm = Communicator(rank, world_size, self.pg)
 
@@ -91,7 +93,7 @@ def _sigint_parent() -> None:
     address = f"127.0.0.1:{find_free_port()}"
     group = WorkerGroup(2, DummyTarget, address)
     rank0 = DummyTarget(0, 2, address, abort_check=group.check)
-    group.wait_ready(timeout=60)
+    group.wait_ready()  # as the engine: no deadline while the worker is alive
     print("READY", group.shm_name, *group.pids, flush=True)
     while True:  # a Ctrl-C lands in the middle of a broadcast or a collective
         group.broadcast("add", 1.0)

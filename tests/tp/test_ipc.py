@@ -72,7 +72,7 @@ def fleet():
             )
         for name in ("a", "b", "kill", "boom"):
             rank0[name] = DummyTarget(0, 2, addresses[name], abort_check=groups[name].check)
-            groups[name].wait_ready(timeout=60)
+            groups[name].wait_ready()  # as the engine: no deadline while the worker is alive
     except BaseException:  # a failed set-up must not leave the Ctrl-C parent or workers behind
         sigint_parent.kill()
         for group in groups.values():
