@@ -56,8 +56,8 @@ class AutoPagedModelForCausalLM:
         Raises:
             TypeError: an unknown engine key (the message lists the allowed ones).
             ValueError: a bad engine value, a path that is not a local checkpoint directory, an
-                architecture the engine does not implement, or a quantized checkpoint (the
-                message names its quant_method).
+                architecture the engine does not implement, or a quantized checkpoint other
+                than the FP8 formats it serves (the message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
         from hf_paged.models.peft import is_adapter_dir
@@ -105,20 +105,19 @@ class AutoPagedModelForCausalLM:
 
 def quantized_checkpoint_reason(path: str | os.PathLike) -> tuple[str, str] | None:
     """``(reason, detail)`` when the checkpoint directory's config has a
-    ``quantization_config`` (the engine runs none), for callers that can fall back to stock."""
+    ``quantization_config`` the engine does not serve (it serves the FP8 formats of
+    ``layers.quantization``), for callers that can fall back to stock."""
     from transformers import AutoConfig
 
-    from hf_paged.engine.runtime import quantization_method
+    from hf_paged.layers.quantization import quantization_reason
 
     if not os.path.isfile(os.path.join(os.fspath(path), "config.json")):
         return None
-    method = quantization_method(AutoConfig.from_pretrained(path))
-    if method is None:
+    reason = quantization_reason(AutoConfig.from_pretrained(path))
+    if reason is None:
         return None
-    return f"quantized_{method}", (
-        f"the checkpoint is quantized (quant_method={method!r}); the engine runs only "
-        "unquantized float weights"
-    )
+    method, why = reason
+    return f"quantized_{method}", f"the checkpoint is quantized (quant_method={method!r}): {why}"
 
 
 def _meta_skeleton(path: str, hf_config):

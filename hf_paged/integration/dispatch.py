@@ -35,8 +35,8 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged import envs
 from hf_paged.config import EngineConfig
-from hf_paged.models import peft
 from hf_paged.integration.generate import PagedFallback, generate_paged
+from hf_paged.models import peft
 
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
@@ -319,15 +319,14 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
 
 
 def _model_reason(model) -> tuple[str, str] | None:
-    from hf_paged.engine.runtime import quantization_method
+    from hf_paged.layers.quantization import quantization_reason
+    from hf_paged.layers.quantization.fp8_config import fp8_param_names
     from hf_paged.models.registry import model_class_reason
 
-    method = quantization_method(model)
-    if method is not None:
-        return f"quantized_{method}", (
-            f"the model is quantized (quant_method={method!r}); the engine runs only "
-            "unquantized float weights"
-        )
+    quantized = quantization_reason(model)
+    if quantized is not None:
+        method, why = quantized
+        return f"quantized_{method}", f"the model is quantized (quant_method={method!r}): {why}"
     reason = peft.unsupported_reason(model)
     if reason is not None:
         return reason
@@ -336,6 +335,7 @@ def _model_reason(model) -> tuple[str, str] | None:
     if why is not None:
         return "architecture", why
     adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else ()
+    adapter_only = set(adapter_only) | fp8_param_names(model)  # FP8 weights: their own dtypes
     served = [p for n, p in model.named_parameters() if n not in adapter_only]
     devices = {p.device for p in served}
     dtypes = {p.dtype for p in served}
