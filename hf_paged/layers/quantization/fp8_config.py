@@ -137,7 +137,9 @@ def _parse_transformers_fp8(qc: dict) -> Fp8Config | None:
         raise UnsupportedQuantizationError(
             "quant_method='fp8' with modules_to_convert (FP8 embeddings) is not served"
         )
-    block = qc.get("weight_block_size")
+    block = qc.get(
+        "weight_block_size", (128, 128)
+    )  # FineGrainedFP8Config's default; null: per tensor
     if block is not None:
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
             raise UnsupportedQuantizationError(
