@@ -51,12 +51,13 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         cfg = self.fp8_config
+        out = self.weight.shape[0]  # this rank's rows (``out_features`` is the full count)
         scale = getattr(self, cfg.scale_name)
         if cfg.block is None and scale.dim() < 2:  # a per-tensor checkpoint scale: every row
-            scale = scale.reshape(1, 1).expand(self.out_features, 1)
+            scale = scale.reshape(1, 1).expand(out, 1)
         inp = getattr(self, cfg.input_scale_name) if cfg.input_scale_name else None
         y = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, scale, cfg.block, inp, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], out)
 
     def extra_repr(self) -> str:
         cfg = self.fp8_config
