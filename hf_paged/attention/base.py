@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
 import torch
 
 from hf_paged.attention.kv_cache import KVCache
