@@ -22,6 +22,6 @@ def not_a_checkpoint(name: str, path: str, allowed: str = "a local checkpoint di
         message += (
             f"; {path!r} looks like a Hugging Face Hub id: download it first, e.g. "
             f"`huggingface-cli download {path} --local-dir DIR` (or "
-            "`huggingface_hub.snapshot_download`), and pass DIR"
+            "`huggingface_hub.snapshot_download`), and pass that local directory"
         )
     return message

@@ -3,6 +3,7 @@ never written back into the frozen EngineConfig."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -73,8 +74,8 @@ def _load_tokenizer(path: str):
 
 def quantization_method(model_or_config) -> str | None:
     """The ``quant_method`` of a quantized model or config ("bitsandbytes", "gptq", "awq",
-    "fp8" ...; "unknown" when it names none), or None for plain weights. The engine implements
-    no quantized weights, so any method is one it can't serve."""
+    "fp8" ...; "unknown" when it names none), or None for plain weights. Which of them the engine
+    serves is ``layers.quantization.unserved_quantization``'s decision."""
     quantizer = getattr(model_or_config, "hf_quantizer", None)
     qc = getattr(quantizer, "quantization_config", None)
     config = getattr(model_or_config, "config", model_or_config)
@@ -89,20 +90,24 @@ def quantization_method(model_or_config) -> str | None:
 
 def quantization_reason(model_or_config) -> tuple[str, str] | None:
     """``(reason, detail)`` when a model's or config's quantization is one the engine does not
-    run (today: any), else None. The one place that decides, and says so in words."""
-    method = quantization_method(model_or_config)
-    if method is None:
+    serve (``layers.quantization.unserved_quantization`` decides), else None; the message every
+    caller shows, a fallback warning or a ValueError."""
+    from hf_paged.layers.quantization import unserved_quantization
+
+    found = unserved_quantization(model_or_config)
+    if found is None:
         return None
+    method, why = found
     return f"quantized_{method}", (
-        f"quantization_config with quant_method={method!r} is not allowed: the engine runs only "
-        "unquantized float weights (float32/float16/bfloat16); load an unquantized checkpoint, "
-        "or use transformers' own generate for this one"
+        f"quantization_config with quant_method={method!r} is not allowed: {why}; load an "
+        "unquantized or FP8 checkpoint, or use transformers' own generate for this one"
     )
 
 
 def _check_servable(model, hf_config) -> None:
     """ValueError for what the engine can't run and ``LLM`` has no stock model to fall back
-    on for: quantized weights, and PEFT adapters that merged weights can't reproduce."""
+    on for: quantized weights other than the FP8 formats it serves, and PEFT adapters that
+    merged weights can't reproduce."""
     quantized = quantization_reason(
         model if not isinstance(model, (str, os.PathLike)) else hf_config
     )
@@ -117,6 +122,35 @@ def _check_servable(model, hf_config) -> None:
                 f"model=<PEFT model> is not allowed: {reason[1]} [{reason[0]}]; the engine "
                 "serves plain LoRA (merged into its weights); use the PEFT model's own generate"
             )
+
+
+def _served_config(model):
+    """The config the engine builds an in-memory model from: its own, without the
+    ``quantization_config`` when its weights are plain (dequantized by transformers at load,
+    or a config that names FP8 over plain weights)."""
+    from hf_paged.layers.quantization import fp8_config_of
+    from hf_paged.layers.quantization.fp8_config import UnsupportedQuantizationError
+
+    config = model.config
+    if getattr(config, "quantization_config", None) is None:
+        return config
+    try:
+        if fp8_config_of(model) is not None:
+            return config
+    except UnsupportedQuantizationError:
+        return config  # refused by _check_servable, naming why
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    return plain
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The model's activation dtype: that of its first parameter that is neither float8 nor an
+    FP8 scale (``model.dtype`` may name a float8 weight)."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.element_size() > 1 and "scale" not in name.split(".")[-1]:
+            return p.dtype
+    return model.dtype
 
 
 def default_max_model_len(hf_config) -> int:
@@ -140,10 +174,10 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         _check_servable(model, None)
         model = unwrap(model)
     if isinstance(model, PreTrainedModel):
-        hf_config = model.config
+        hf_config = _served_config(model)
         gen_config = getattr(model, "generation_config", None)
         device = _resolve_device(config.device, model.device)
-        dtype = _resolve_dtype(config.dtype, model.dtype, device)
+        dtype = _resolve_dtype(config.dtype, _compute_dtype(model), device)
         path, tokenizer = None, None
     elif isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)

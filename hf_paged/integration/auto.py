@@ -57,8 +57,8 @@ class AutoPagedModelForCausalLM:
         Raises:
             TypeError: an unknown engine key (the message lists the allowed ones).
             ValueError: a bad engine value, a path that is not a local checkpoint directory, an
-                architecture the engine does not implement, or a quantized checkpoint (the
-                message names its quant_method).
+                architecture the engine does not implement, or a quantized checkpoint other
+                than the FP8 formats it serves (the message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
         from hf_paged.models.peft import is_adapter_dir

@@ -86,7 +86,7 @@ class EngineOwner:
         self.engine = self._build(want)
         self.built_with, self._built_from = want, now
         if logger.isEnabledFor(logging.INFO):
-            rt = self.engine.runtime
+            rt = getattr(self.engine, "runtime", None)
             facts = ", ".join(
                 f"{k}={getattr(rt, k)}" for k in ("max_model_len", "num_kv_blocks", "device")
                 if hasattr(rt, k)

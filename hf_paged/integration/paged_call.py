@@ -40,7 +40,7 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
-        ``GenerateDecoderOnlyOutput`` (``cache=None``) with ``return_dict_in_generate``.
+        ``GenerateDecoderOnlyOutput`` (no cache) with ``return_dict_in_generate``.
 
     Raises:
         PagedFallback: before any request is queued.
@@ -57,7 +57,8 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     gen = call.generation_config
     if not gen.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, cache=None)
+    # no cache field: transformers 5.17 names it past_key_values, 5.24 cache; both default None
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
 
 
 def plan_generate(model, runtime, generate_kwargs: dict, cache: PlanCache | None = None):

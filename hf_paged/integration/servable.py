@@ -63,6 +63,7 @@ def _call_reason(model, args: dict, kwargs: dict) -> PagedFallback | None:
 
 def model_reason(model) -> PagedFallback | None:
     """Why the engine can't serve ``model`` (an HF causal LM or a ``PeftModel``), or None."""
+    from hf_paged.layers.quantization.fp8_config import fp8_param_names
     from hf_paged.models.registry import model_class_reason
 
     quantized = quantization_reason(model)
@@ -75,8 +76,9 @@ def model_reason(model) -> PagedFallback | None:
     why = model_class_reason(type(model), model.config)
     if why is not None:
         return PagedFallback("architecture", why)
-    adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else ()
-    served = [p for n, p in model.named_parameters() if n not in adapter_only]
+    adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else set()
+    skip = set(adapter_only) | fp8_param_names(model)  # FP8 weights and scales: their own dtypes
+    served = [p for n, p in model.named_parameters() if n not in skip]
     devices = {p.device for p in served}
     dtypes = {p.dtype for p in served}
     device_map = getattr(model, "hf_device_map", None) or {}

@@ -78,7 +78,7 @@ def test_report_counts_lm_eval_requests(ckpt, tmp_path):
     task = tmp_path / "tasks"
     task.mkdir()
     (task / "docs.jsonl").write_text(
-        "\n".join('{"text": "a b c d e f %d"}' % i for i in range(3)) + "\n"
+        "\n".join(f'{{"text": "a b c d e f {i}"}}' for i in range(3)) + "\n"
     )
     (task / "tiny_rolling.yaml").write_text(
         "task: tiny_rolling\ndataset_path: json\n"

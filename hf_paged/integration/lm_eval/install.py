@@ -24,11 +24,11 @@ several lm-eval ranks, autocast (``mixed_precision_dtype``), a model the engine 
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import sys
 import threading
 
+from hf_paged.integration import hooks
 from hf_paged.integration.fallback import PagedFallback, warn_fallback
 from hf_paged.integration.lm_eval import generate_until as _until
 from hf_paged.integration.lm_eval import loglikelihood as _ll
@@ -41,30 +41,8 @@ _originals: dict[str, object] = {}
 _lock = threading.Lock()
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches HFLM right after ``lm_eval.models.huggingface`` executes."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != HFLM_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch(module.HFLM)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
-_finder = _PatchOnImport()
+def _patch_module(module) -> None:
+    _patch(module.HFLM)
 
 
 def install_lm_eval() -> bool:
@@ -77,18 +55,14 @@ def install_lm_eval() -> bool:
 
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target="hf_paged.integration.lm_eval.model:HFPagedLM")
-    module = sys.modules.get(HFLM_MODULE)
-    if module is not None:
-        _patch(module.HFLM)
-    elif _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    hooks.cancel_after_import(HFLM_MODULE, _patch_module)
+    hooks.after_import(HFLM_MODULE, _patch_module)  # now, or when lm-eval imports it
     return True
 
 
 def uninstall_lm_eval() -> None:
     """Restore HFLM's original methods and stop patching on import."""
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
+    hooks.cancel_after_import(HFLM_MODULE, _patch_module)
     module = sys.modules.get(HFLM_MODULE)
     with _lock:
         if module is not None:

@@ -17,8 +17,9 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
 * ``backend="paged"`` with a PEFT adapter directory (``adapter_config.json``, no
   ``config.json``): transformers loads the base model and the adapter, and the calls go paged
   with the LoRA merged into the engine's weights (``models/peft.py``).
-* ``backend="paged"`` with a quantized checkpoint directory (a ``quantization_config`` in its
-  config): the stock pipeline with stock calls, and a ``PagedFallbackWarning`` naming the method.
+* ``backend="paged"`` with a quantized checkpoint directory whose ``quantization_config`` the
+  engine does not serve (anything but its FP8 formats): the stock pipeline with stock calls, and
+  a ``PagedFallbackWarning`` naming the method. FP8 checkpoints open paged like plain ones.
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
