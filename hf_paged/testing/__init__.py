@@ -11,7 +11,10 @@ from another test module.
   ``stock_and_paged`` (one ``generate`` call both ways), ``SMALL_ENGINE``;
 - ``paged_step``: one paged forward by hand (``make_kv_cache``, ``build_metadata``, ``run_step``);
 - ``comm``: tensor-parallel ranks without a process group (``FakeComm``, ``ThreadGroup``);
-- ``toy_model``: a ``PagedModel`` that is not Llama, for the protocol tests (import it by path).
+- ``procfs``: what a process holds (fds, listening sockets, /dev/shm files), whether it runs;
+- ``toy_model``: a ``PagedModel`` that is not Llama, for the protocol tests.
+
+``procfs`` and ``toy_model`` are imported by their module path; the rest is re-exported here.
 
 Not part of the public API: ``hf_paged`` exports nothing from here, and it changes with the
 tests' needs.

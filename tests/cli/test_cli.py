@@ -153,7 +153,7 @@ def test_run_module_sets_argv_env_and_exit_code(monkeypatch, capsys):
     )
     assert code == 3
     seen = json.loads(out)
-    assert seen["argv"][0].endswith(os.path.join("integration", "pipe_run_target.py"))
+    assert seen["argv"][0].endswith(os.path.join("cli", "pipe_run_target.py"))
     assert seen["argv"][1:] == ["a", "exit=3"]
     assert seen["name"] == "__main__" and seen["backend"] == "paged"
     assert seen["path0"] == os.getcwd()
@@ -164,7 +164,7 @@ def test_run_script_path(monkeypatch, capsys):
     monkeypatch.setenv(dispatch.ENV_VAR, "hf")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    script = os.path.join(REPO, "tests", "integration", "pipe_run_target.py")
+    script = os.path.join(REPO, "tests", "cli", "pipe_run_target.py")
     code, out, _ = run_cli(capsys, "run", script, "--flag")
     assert code == 0
     seen = json.loads(out)

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import hf_paged  # noqa: F401  (installs the dispatcher and the pipeline wrapper)
-from hf_paged.testing import build_char_tokenizer, save_tiny_model
+from hf_paged.testing import save_checkpoint
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -19,9 +19,7 @@ PROMPTS = [f"{w} {i}" for i, w in enumerate(["Hello, my name is", "ab", "def fib
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = save_tiny_model("qwen3", str(tmp_path_factory.mktemp("pipe_gpu")), seed=0)
-    build_char_tokenizer(256).save_pretrained(path)
-    return path
+    return save_checkpoint(str(tmp_path_factory.mktemp("pipe_gpu")), family="qwen3")
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])

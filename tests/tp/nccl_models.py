@@ -4,7 +4,6 @@ prompts with a shared prefix, an engine config small enough to preempt, and a de
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
@@ -55,16 +54,3 @@ def prompts(n: int = 15, seed: int = 0) -> list[list[int]]:
     shared = [rng.randrange(3, 1024) for _ in range(40)]
     tails = [[rng.randrange(3, 1024) for _ in range(rng.randint(1, 60))] for _ in range(n)]
     return [[5]] + [shared + t for t in tails]
-
-
-def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("hfp_")}
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -22,6 +22,7 @@ import pytest
 from hf_paged.distributed.process_group import find_free_port
 from hf_paged.engine.tp.shm_broadcast import ShmBroadcaster, ShmReader
 from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
+from hf_paged.testing.procfs import pid_alive
 from tests.tp.dummy_target import DummyTarget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,21 +30,9 @@ SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory in /dev/shm")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        import psutil
-
-        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except ImportError:
-        stat = Path(f"/proc/{pid}/stat")
-        return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-    except Exception:  # psutil.NoSuchProcess between the two calls
-        return False
-
-
 def _gone(pids: list[int], timeout: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid in pids):
+    while any(pid_alive(pid) for pid in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

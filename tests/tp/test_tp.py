@@ -14,6 +14,7 @@ from hf_paged import LLM, SamplingParams
 from hf_paged.engine.tp import executor as tp_executor
 from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing import save_tiny_model
+from hf_paged.testing.procfs import shm_segments
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(max_model_len=96, kv_block_size=8, num_kv_blocks=64)
@@ -36,10 +37,6 @@ def models(tmp_path_factory):
         "llama": save_tiny_model("llama", str(root / "llama"), seed=1),
         "qwen3_mqa": save_tiny_model("qwen3", str(root / "qwen3"), seed=2, num_key_value_heads=1),
     }
-
-
-def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("hfp_")}
 
 
 def child_pids() -> set[int]:

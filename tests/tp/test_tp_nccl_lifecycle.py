@@ -14,7 +14,8 @@ import torch
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.engine.tp.workers import EngineDeadError
-from tests.tp.nccl_models import ENGINE, needs_gpus, pid_alive, prompts, save_model, shm_segments
+from hf_paged.testing.procfs import pid_alive, shm_segments
+from tests.tp.nccl_models import ENGINE, needs_gpus, prompts, save_model
 
 pytestmark = pytest.mark.multi_gpu
 if torch.cuda.device_count() < 2:

@@ -1,4 +1,6 @@
-"""What a process holds, read from /proc (Linux): listening TCP sockets, /dev/shm files, fds."""
+"""What a process holds, read from /proc (Linux): listening TCP sockets, /dev/shm files, fds,
+whether it still runs; and the engine's shared-memory segments. The leak checks of the
+tensor-parallel and reliability tests read these."""
 
 from __future__ import annotations
 
@@ -44,6 +46,20 @@ def shm_files(pid: int) -> set[str]:
                 if not fields[5].rstrip().endswith("(deleted)"):  # unlinked: no name left
                     paths.add(fields[5].strip())
     return paths
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:  # gone, or going while it is read
+        return False
+
+
+def shm_segments() -> set[str]:
+    """The names of the engines' shared-memory segments (``hfp_*``) now in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hfp_")}
 
 
 def _address(hex_addr: str, family: int) -> str:
