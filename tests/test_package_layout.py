@@ -1,4 +1,6 @@
-"""The package's import graph: no cycles and no imports that run back up, at every level.
+"""The package's import graph: no cycles and no imports that run back up, at every level; and
+the tests' own: no test module imports another (shared helpers live in ``hf_paged.testing``, a
+folder's ``conftest.py`` or a helper module without the ``test_`` prefix).
 
 Every ``import`` of an ``hf_paged`` module in ``hf_paged/`` (module level or inside a function,
 ``TYPE_CHECKING`` blocks included) is an arrow from the importing file to the imported one. At
@@ -19,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_paged"
+TESTS = ROOT / "tests"
 
 
 def _module_name(path: Path) -> str:
@@ -168,3 +171,54 @@ def test_import_hf_paged_patches_on_transformers_load():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == "True True", (first, second)
+
+
+def _imported_tests_files(source: str) -> set[Path]:
+    """The files under ``tests/`` that ``source`` imports (``tests.x.y`` names, module level or
+    inside a function), as paths that exist."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] != "tests":
+                continue
+            path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+            if path.is_file():
+                found.add(path)
+    return found
+
+
+def _is_test_module(path: Path) -> bool:
+    return path.name.startswith("test_") or path.name == "conftest.py"
+
+
+def test_no_test_module_imports_another():
+    """A test module (or conftest) imported by another file in ``tests/`` runs its tests or
+    fixtures twice and ties two features' tests together: what both need goes to
+    ``hf_paged.testing``, the folder's ``conftest.py`` or a helper module there."""
+    files = sorted(TESTS.rglob("*.py"))
+    assert sum(_is_test_module(p) for p in files) > 50  # the walk found the tests
+    found = []
+    for path in files:
+        for target in sorted(_imported_tests_files(path.read_text())):
+            if _is_test_module(target):
+                found.append(f"{path.relative_to(ROOT)} imports {target.relative_to(ROOT)}")
+    assert not found, "test modules imported by other files:\n" + "\n".join(found)
+
+
+def test_an_imported_test_module_is_found():
+    """The check itself: the import shapes that tied test modules together are seen."""
+    sources = [
+        "from tests.engine import test_engine_parity as parity",
+        "from tests.engine.test_engine_parity import hf_greedy",
+        "def f():\n    import tests.hf.conftest",
+    ]
+    for source in sources:
+        assert any(_is_test_module(p) for p in _imported_tests_files(source)), source
+    helper = _imported_tests_files("from tests.hf.fake_engine import FakeEngine")
+    assert helper == {TESTS / "hf" / "fake_engine.py"}
+    assert not _is_test_module(TESTS / "hf" / "fake_engine.py")

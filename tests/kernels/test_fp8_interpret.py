@@ -1,14 +1,14 @@
 """FP8 kernels vs their torch references under Triton's CPU interpreter: per-token-group
 activation quantization (groups of 16 / 32 / 128 and one per token, K not a multiple of the
 group) and the block-scale GEMM (decode and prefill tiles, partial blocks in N and K, bias).
-Runs as a child process (tests/unit/interpret_utils.py); real shapes and speed:
+Runs as a child process (tests/kernels/interpret_utils.py); real shapes and speed:
 tests/kernels/test_fp8_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
 
 QUANT = [(3, 96, 32), (5, 100, 16), (2, 256, 128), (4, 72, 4096)]  # (M, K, group)
 GEMM = [  # (M, N, K, block, bias, config override)

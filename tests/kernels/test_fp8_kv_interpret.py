@@ -1,13 +1,13 @@
 """fp8 KV cache in the Triton kernels under the CPU interpreter: the store kernel clamps and
 rounds like the torch reference, and paged decode / prefill over float8 caches equal their
 references over the same caches read back in the query dtype. Runs as a child process
-(tests/unit/interpret_utils.py)."""
+(tests/kernels/interpret_utils.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
 
 
 def _caches(num_blocks=8, block=8, kv_heads=2, d=32, seed=0):

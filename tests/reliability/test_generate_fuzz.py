@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 
 from hf_paged.integration import dispatch, paged_call
 from hf_paged.integration.engine_owner import existing_owner
-from tests.helpers import build_hf_model
-from tests.integration.parity_utils import (
+from hf_paged.testing import (
     SMALL_ENGINE,
-    build_tokenizer,
+    build_hf_model,
     fallback_warnings,
     left_pad,
     make_prompts,
+    tiny_tokenizer,
 )
 
 EXAMPLES = 40
@@ -68,7 +68,7 @@ def _counting(plan_call):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tokenizer()
+    return tiny_tokenizer()
 
 
 def _tokens(draw, pool, low=1, high=3):

@@ -24,8 +24,8 @@ from tests.scale.scale_utils import (  # noqa: E402
     GREEDY,
     SAMPLED,
     make_model,
-    make_prompts,
     reference,
+    text_prompts,
 )
 
 pytestmark = pytest.mark.ray
@@ -85,7 +85,7 @@ def rows_by_id(rows: list[dict]) -> dict:
 
 
 def test_two_replicas_equal_single_process(ray_session, model):
-    prompts = make_prompts(200)
+    prompts = text_prompts(200)
     items = [{"id": i, "prompt": p} for i, p in enumerate(prompts)]
     ds = ray.data.from_items(items, override_num_blocks=20)
     out = map_generate(
@@ -105,7 +105,7 @@ def test_actor_crash_on_first_batch_retried_exactly_once(ray_session, model, tmp
     """One tp=2 actor os._exit()s on its first batch; Ray restarts it and reruns the batch.
     Sampling with row-id seeds, the rerun batch gives the same tokens as the single-process run,
     and no engine worker outlives its actor (the crashed one or those closed at the end)."""
-    prompts = make_prompts(60, seed=1)
+    prompts = text_prompts(60, seed=1)
     ids = [f"r{i:03d}" for i in range(60)]  # string ids seed as well as ints
     ds = ray.data.from_items(
         [{"id": r, "prompt": p} for r, p in zip(ids, prompts)], override_num_blocks=6
@@ -127,7 +127,7 @@ def test_actor_crash_on_first_batch_retried_exactly_once(ray_session, model, tmp
 
 
 def test_resume_after_abort_no_duplicates(ray_session, model, tmp_path):
-    prompts = make_prompts(120, seed=2)
+    prompts = text_prompts(120, seed=2)
     src = tmp_path / "in"
     src.mkdir()
     for f in range(12):  # 12 files of 10 rows: 12 read blocks, several batches in flight
