@@ -3,6 +3,7 @@
 Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``.
 """
 
+from hf_paged import timings as _timings
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
@@ -28,6 +29,7 @@ def uninstall() -> None:
 
 
 install()  # inert until asked: backend="paged", set_default_backend or HF_PAGED_BACKEND
+_timings.install()  # inert unless HF_PAGED_TIMINGS names a file
 
 __version__ = "0.1.0"
 
