@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
 import torch
 
 from hf_paged.attention.kv_cache import KVCache
@@ -86,6 +87,9 @@ class AttentionBackend(ABC):
     def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
         """Why this backend cannot compute a layer of ``spec`` (None = it can)."""
         return None
+
+    def release(self) -> None:  # noqa: B027 - optional hook: most backends keep nothing
+        """Drop the device tensors ``forward`` made and kept (the engine is closing)."""
 
     @abstractmethod
     def forward(

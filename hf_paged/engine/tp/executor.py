@@ -23,10 +23,10 @@ import torch
 
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.distributed.process_group import create_process_group, reserve_port
-from hf_paged.engine.tp.workers import WorkerGroup
 from hf_paged.engine.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.runtime import RuntimeInfo
+from hf_paged.engine.tp.workers import WorkerGroup
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -95,6 +95,8 @@ class TPExecutor:
                     self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
             finally:
                 self.group.close()
+                if getattr(self, "runner", None) is not None:  # built, a worker failed after
+                    self.runner.exit()  # its memory goes back now, not when collected
             raise
         if runtime.device.startswith("cuda"):
             self.group.watch_process_group(self.runner.comm.group)
