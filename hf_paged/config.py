@@ -210,6 +210,10 @@ class SamplingParams:
         logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
         prompt_logprobs: None = none; k >= 0 = per prompt token, its logprob under the model
             given the tokens before it and the top k (``RequestOutput.prompt_logprobs``).
+        prompt_logprobs_next: also score this token id as the one after the prompt (from the
+            last prompt position's logits; hf_paged's extension): lm-eval's loglikelihood scores
+            a continuation's last token without a position of its own. Needs prompt_logprobs;
+            its entry is appended to ``RequestOutput.prompt_logprobs``.
         prompt_logprobs_start: first prompt position scored (>= 1; hf_paged's extension):
             earlier entries are None and their KV may come from the prefix cache.
         skip_special_tokens: drop special tokens when detokenizing ``.text``.
@@ -232,6 +236,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
+    prompt_logprobs_next: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -249,6 +254,13 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)
+        _check_int("prompt_logprobs_next", self.prompt_logprobs_next, 0, allow_none=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+        if self.prompt_logprobs_next is not None and self.prompt_logprobs is None:
+            raise _bad("prompt_logprobs_next", self.prompt_logprobs_next,
+                       "None unless prompt_logprobs is set")  # fmt: skip
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")

@@ -5,8 +5,9 @@ time of every span is added up under its name, and at exit the process appends o
 to that file::
 
     {"pid", "argv", "uptime_s": seconds since the process started,
-     "imports_s": process start to the end of ``import hf_paged`` (torch and transformers are
-                  imported by then),
+     "imports_s": process start to torch and transformers imported (with the switch on,
+                  ``import hf_paged`` imports them at once, to time them and wrap
+                  ``from_pretrained``; otherwise it imports neither),
      "spans": {name: {"total_s", "calls"}}}
 
 Spans recorded: ``hf.from_pretrained`` (transformers' model loading, wrapped while the switch is
@@ -96,12 +97,16 @@ def process_uptime() -> float | None:
 
 
 def install() -> None:
-    """Called at the end of ``import hf_paged``: with the switch on, note the import time, time
-    transformers' ``from_pretrained`` and write the record at exit. Once per process."""
+    """Called at the end of ``import hf_paged``: with the switch on, import torch and
+    transformers (noting when that is done), time transformers' ``from_pretrained`` and write
+    the record at exit. Once per process; nothing when the switch is off."""
     global _installed, _imports_s
     if _installed or not enabled():
         return
     _installed = True
+    import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
     _imports_s = process_uptime()
     _time_from_pretrained()
     atexit.register(_write)

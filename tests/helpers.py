@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionMetadata
-from hf_paged.distributed.communicator import Communicator
 from hf_paged.attention.kv_cache import KVCache
+from hf_paged.distributed.communicator import Communicator
 from hf_paged.testing import (  # noqa: F401  (re-exported for tests)
     FAMILIES,
     build_hf_model,

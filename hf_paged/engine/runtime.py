@@ -10,6 +10,7 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.models.registry import resolve_model_class
+from hf_paged.paths import not_a_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -86,16 +87,27 @@ def quantization_method(model_or_config) -> str | None:
     return str(method) if method else "unknown"
 
 
+def quantization_reason(model_or_config) -> tuple[str, str] | None:
+    """``(reason, detail)`` when a model's or config's quantization is one the engine does not
+    run (today: any), else None. The one place that decides, and says so in words."""
+    method = quantization_method(model_or_config)
+    if method is None:
+        return None
+    return f"quantized_{method}", (
+        f"quantization_config with quant_method={method!r} is not allowed: the engine runs only "
+        "unquantized float weights (float32/float16/bfloat16); load an unquantized checkpoint, "
+        "or use transformers' own generate for this one"
+    )
+
+
 def _check_servable(model, hf_config) -> None:
     """ValueError for what the engine can't run and ``LLM`` has no stock model to fall back
     on for: quantized weights, and PEFT adapters that merged weights can't reproduce."""
-    method = quantization_method(model if not isinstance(model, (str, os.PathLike)) else hf_config)
-    if method is not None:
-        raise ValueError(
-            f"quantization_config with quant_method={method!r} is not allowed: the engine runs "
-            "only unquantized float weights (float32/float16/bfloat16); load an unquantized "
-            "checkpoint, or use transformers' generate for this one"
-        )
+    quantized = quantization_reason(
+        model if not isinstance(model, (str, os.PathLike)) else hf_config
+    )
+    if quantized is not None:
+        raise ValueError(f"{quantized[1]} [{quantized[0]}]")
     if not isinstance(model, (str, os.PathLike)):
         from hf_paged.models import peft
 
@@ -107,19 +119,9 @@ def _check_servable(model, hf_config) -> None:
             )
 
 
-def _not_a_directory(path: str) -> str:
-    message = (
-        f"model={path!r} is not allowed: must be a local checkpoint directory or a loaded "
-        "transformers model. hf_paged downloads nothing"
-    )
-    parts = path.split("/")
-    if len(parts) == 2 and all(parts) and not os.path.exists(path):  # looks like "org/name"
-        message += (
-            f"; {path!r} looks like a Hugging Face Hub id: download it first, e.g. "
-            f"`huggingface-cli download {path} --local-dir <dir>` (or "
-            "`huggingface_hub.snapshot_download`), and pass that local directory"
-        )
-    return message
+def default_max_model_len(hf_config) -> int:
+    """``max_model_len`` when the config sets none: the model's own positions (2048 if unknown)."""
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
 
 
 def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
@@ -146,7 +148,9 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     elif isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):
-            raise ValueError(_not_a_directory(path))
+            raise ValueError(not_a_checkpoint(
+                "model", path, "a local checkpoint directory or a loaded transformers model"
+            ))
         hf_config = AutoConfig.from_pretrained(path)
         try:
             gen_config = GenerationConfig.from_pretrained(path)
@@ -163,8 +167,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         )
     _check_servable(model, hf_config)
     resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-    max_model_len = config.max_model_len or max_pos
+    max_model_len = config.max_model_len or default_max_model_len(hf_config)
     eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(
         getattr(hf_config, "eos_token_id", None)
     )

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
+from hf_paged.attention.kv_cache import KVCacheSpec
 from hf_paged.layers.activation import SiluAndMul
 from hf_paged.layers.attention import Attention, RopeInputs
 from hf_paged.layers.context import ModelContext
@@ -35,7 +36,6 @@ from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from hf_paged.layers.rotary import RotaryEmbedding
 from hf_paged.models import loader
-from hf_paged.attention.kv_cache import KVCacheSpec
 
 
 @dataclass(frozen=True)

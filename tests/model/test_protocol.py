@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hf_paged import LLM, EngineConfig, SamplingParams
-from hf_paged.models import registry
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
+from hf_paged.models import registry
 from hf_paged.models.protocol import PagedModel
 from hf_paged.testing import save_tiny_model, tiny_config
 from tests.model import toy_model

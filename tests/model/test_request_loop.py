@@ -124,7 +124,7 @@ def test_iterator_default_bound_is_four_times_max_num_seqs(llm):
     eng = llm.engine
     seen = []
     real_step = eng.step
-    eng.step = lambda: (seen.append(len(eng._requests)), real_step())[1]
+    eng.step = lambda: (seen.append(len(eng.requests)), real_step())[1]
     try:
         assert len(list(eng.stream(iter(requests(40))))) == 40
     finally:

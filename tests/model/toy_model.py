@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
+from hf_paged.attention.kv_cache import KVCacheSpec
 from hf_paged.layers.attention import Attention, RopeInputs
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.rotary import apply_rotary_emb, default_inv_freq
-from hf_paged.attention.kv_cache import KVCacheSpec
 
 ARCH = "ToyPagedForCausalLM"
 # per layer: (num_heads, num_kv_heads, head_dim, head_dim_v, softcap, layer rotates q/k itself);

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from hf_paged.distributed.process_group import find_free_port
-from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.engine.tp.shm_broadcast import ShmBroadcaster, ShmReader
+from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
 from tests.multi.dummy_target import DummyTarget
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_paged import envs
 from hf_paged.attention.base import AttentionMetadata
+from hf_paged.attention.kv_cache import KVCacheSpec
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
@@ -33,7 +34,6 @@ from hf_paged.models.generic.support import (
 )
 from hf_paged.models.generic.tp import apply_tp_plan
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
-from hf_paged.attention.kv_cache import KVCacheSpec
 
 
 class GenericForCausalLM(nn.Module):

@@ -11,10 +11,7 @@ import functools
 import inspect
 import sys
 
-
-class UnsupportedModelError(ValueError):
-    """The generic path cannot reproduce this model exactly; the message says why."""
-
+from hf_paged.models.protocol import UnsupportedModelError
 
 # config keys whose truthy value means layers the paged attention cannot run
 _REFUSED_CONFIG_KEYS = {

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.protocol import UnsupportedModelError
 
 _REPLICATED = {
     "colwise_gather_output", "rowwise_split_input", "colwise_rep", "rowwise_rep",
