@@ -57,6 +57,7 @@ def test_ten_rebuilds_give_the_memory_back(ckpt):
     ref = None
     for n in LENGTHS:
         llm = LLM(ckpt, dtype="bfloat16", max_model_len=n)
+        device = llm.engine.runtime.device
         kv = llm.engine.executor.runner.kv_cache.nbytes()
         assert kv > 0.7 * total, (n, kv / GiB)  # sized from the share every time
         got = tokens(llm)
@@ -65,7 +66,7 @@ def test_ten_rebuilds_give_the_memory_back(ckpt):
         llm.close()  # the object stays alive: close alone must give the memory back
         held = torch.cuda.memory_reserved() - before
         assert held < GiB, f"max_model_len={n}: {held / GiB:.2f} GiB still reserved after close"
-        assert LIVE_ENGINES.on(str(llm.engine.runtime.device)) == []
+        assert LIVE_ENGINES.on(device) == []
 
 
 def test_two_engines_at_045_serve_and_a_third_is_refused(ckpt):
