@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from hf_paged import envs as _envs
+from hf_paged import timings as _timings
 from hf_paged.integration import hooks as _hooks
 
 __version__ = "0.1.0"
@@ -76,5 +77,6 @@ def uninstall() -> None:
 
 _envs.warn_unknown()  # a mistyped HF_PAGED_* variable is said now, not at the first engine
 _hooks.install_on_import()
+_timings.install()  # inert unless HF_PAGED_TIMINGS names a file
 
 __all__ = [*_EXPORTS, "install", "uninstall", "__version__"]

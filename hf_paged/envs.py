@@ -97,6 +97,14 @@ SWITCHES: dict[str, Switch] = {
             "Costs one clock read per section; off by default.",
         ),
         Switch(
+            "HF_PAGED_TIMINGS",
+            "",
+            "A file path: the process adds up wall-time spans (imports, model loading, each "
+            "engine start and its steps, every engine step) and appends them as one JSON line "
+            "to that file at exit (``hf_paged/timings.py``; the client suite's time "
+            "breakdown). Turns on ``HF_PAGED_PROFILE``'s step sections too. Empty = off.",
+        ),
+        Switch(
             "HF_PAGED_GIT_SHA",
             "",
             "Benchmarks only (``evaluation/``): the commit the tree was made from, recorded in "

@@ -18,6 +18,7 @@ EXPECTED_DEFAULTS = {
     "HF_PAGED_PDL": True,
     "HF_PAGED_PDL_PREFETCH": True,
     "HF_PAGED_PROFILE": False,
+    "HF_PAGED_TIMINGS": "",
     "HF_PAGED_GIT_SHA": "",
 }
 BOOL_SWITCHES = [n for n, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]

@@ -179,3 +179,28 @@ def test_output_path_refuses_in_memory_input_and_orphaned_checkpoint(ray_session
         map_generate(ds, model=model, num_replicas=0)
     with pytest.raises(ValueError, match=r"column\(s\) \['text'\]"):
         map_generate(ds, model=model, column="text")
+
+
+def test_repeated_ids_refused_before_anything_runs(ray_session, model, tmp_path):
+    """The issue's two cases: 11 rows with three ids repeated came back as 11 rows; 120 parquet
+    rows with 12 ids repeated, aborted and rerun, gave 108 (Ray's checkpoint filter skipped the
+    unfinished twin of each committed id). Now both are refused, naming the column and ids."""
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 1, 4, 6]
+    prompts = make_prompts(len(ids), seed=6)
+    ds = ray.data.from_items(
+        [{"id": i, "prompt": p} for i, p in zip(ids, prompts)], override_num_blocks=3
+    )
+    with pytest.raises(ValueError, match=r"id_column='id' has 3 id\(s\).*\[1, 4, 6\]"):
+        map_generate(ds, model=model, sampling_params=GREEDY, engine_kwargs=ENGINE)
+    src = tmp_path / "in"
+    src.mkdir()
+    rows = list(range(108)) + list(range(0, 108, 9))  # 12 ids repeated, in other files
+    for f in range(12):
+        part = rows[f * 10 : f * 10 + 10]
+        pq.write_table(pa.table({"id": part, "prompt": make_prompts(10, seed=f)}),
+                       src / f"part-{f:02d}.parquet")  # fmt: skip
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"has 12 id\(s\) that occur more than once in 120"):
+        map_generate(str(src), model=model, sampling_params=GREEDY, engine_kwargs=ENGINE,
+                     output_path=str(dst))  # fmt: skip
+    assert not dst.exists() and not (tmp_path / "out.checkpoint").exists()

@@ -99,6 +99,8 @@ class TPExecutor:
                     self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
             finally:
                 self.group.close()
+                if getattr(self, "runner", None) is not None:  # built, a worker failed after
+                    self.runner.exit()  # its memory goes back now, not when collected
             raise
         if runtime.device.startswith("cuda"):
             self.group.watch_process_group(self.runner.comm.group)
