@@ -6,6 +6,7 @@ Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``.
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import CompletionOutput, RequestOutput
+from hf_paged.engine.proposers import DraftModelProposer, NgramProposer
 from hf_paged.integration import dispatch as _dispatch
 from hf_paged.integration import pipeline as _pipeline
 from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
@@ -38,6 +39,8 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "DraftModelProposer",
+    "NgramProposer",
     "AutoPagedModelForCausalLM",
     "PagedModelForCausalLM",
     "PagedFallbackWarning",
