@@ -10,9 +10,9 @@ HF-side preparation of a call (defaults, validation, logits processors, stopping
 a skeleton of the HF model built on the ``meta`` device, which holds no weights.
 
 ``generate`` runs the same code as ``model.generate(..., backend="paged")``
-(``integration.generate.generate_paged``). What that code cannot reproduce (beam search,
-assisted decoding, a passed-in cache ...) raises ``NotImplementedError``: there is no stock model
-to fall back on. There is no forward pass either: calling the object raises.
+(``integration.generate.generate_paged``), prompt lookup and an ``assistant_model`` (an HF model
+or another ``PagedModelForCausalLM``) included. What that code cannot reproduce (beam search, a
+passed-in cache ...) raises ``NotImplementedError``: there is no stock model to fall back on. There is no forward pass either: calling the object raises.
 """
 
 from __future__ import annotations
@@ -277,6 +277,8 @@ class PagedModelForCausalLM:
             "negative_prompt_attention_mask": negative_prompt_attention_mask,
             "custom_generate": custom_generate,
         }
+        if assistant_model is self:  # its engine is the one drafting would need
+            raise _unsupported("assisted_self", "assistant_model is the model itself")
         reason = dispatch.precheck(self._skeleton, named, kwargs)
         # the skeleton is on the meta device by design: only the argument checks apply here
         if reason is not None and reason[0] != "device":
@@ -289,7 +291,9 @@ class PagedModelForCausalLM:
                 return _generate.generate_paged(
                     self._skeleton,
                     lambda: self.engine,
+                    dispatch.hold_draft_engine,
                     inputs=inputs,
+                    assistant_model=assistant_model,
                     generation_config=generation_config,
                     logits_processor=logits_processor,
                     stopping_criteria=stopping_criteria,

@@ -41,10 +41,8 @@ from hf_paged.models import peft
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
 _SLOT_ATTR = "_hf_paged_engine_slot"
-_ASSISTED_KWARGS = ("assistant_tokenizer", "prompt_lookup_num_tokens", "assistant_early_exit")
 _CACHE_KWARGS = ("past_key_values", "cache", "cache_params")
 _NOT_FORWARDED = (
-    "assistant_model",
     "custom_generate",
     "synced_gpus",
     "negative_prompt_ids",
@@ -263,6 +261,31 @@ def hold_engine(model, paged_config: EngineConfig | dict | None = None):
             slot.owner = None
 
 
+@contextlib.contextmanager
+def hold_draft_engine(assistant):
+    """The engine of an assisted call's ``assistant_model``, held like ``hold_engine``: an HF
+    model's own paged engine (its ``configure`` options apply), or a
+    ``PagedModelForCausalLM``'s.
+
+    Raises:
+        PagedFallback: the engine cannot serve the assistant (the reason prefixed
+            ``assistant_``).
+    """
+    if not isinstance(assistant, torch.nn.Module) and callable(
+        getattr(assistant, "hold_engine", None)
+    ):
+        with assistant.hold_engine() as engine:  # a PagedModelForCausalLM
+            yield engine
+        return
+    reason = _model_reason(assistant) if isinstance(assistant, torch.nn.Module) else (
+        "model", f"{type(assistant).__name__} is not a model the engine can run"
+    )  # fmt: skip
+    if reason is not None:
+        raise PagedFallback(f"assistant_{reason[0]}", f"the assistant: {reason[1]}")
+    with hold_engine(assistant) as engine:
+        yield engine
+
+
 def release(model) -> None:
     """Close ``model``'s engine now (the next paged call builds a new one)."""
     slot = peft.unwrap(model).__dict__.get(_SLOT_ATTR)
@@ -299,10 +322,12 @@ def precheck(model, args: dict, kwargs: dict) -> tuple[str, str] | None:
         return "custom_generate", "custom_generate replaces the decoding loop"
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder_decoder", "the model is an encoder-decoder"
-    if args.get("assistant_model") is not None or any(
-        kwargs.get(k) is not None for k in _ASSISTED_KWARGS
-    ):
-        return "assisted_generation", "assisted decoding needs a second model or lookup"
+    if kwargs.get("assistant_tokenizer") is not None:
+        return "universal_assisted", "assistant_tokenizer= drafts with another tokenizer"
+    if kwargs.get("assistant_early_exit") is not None:
+        return "assistant_early_exit", "assistant_early_exit drafts with the model's own layers"
+    if args.get("assistant_model") is not None and args["assistant_model"] is model:
+        return "assisted_self", "assistant_model is the model itself"
     if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         return "past_key_values", "a cache was passed in"
     if args.get("synced_gpus"):
@@ -411,8 +436,9 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
                 named.pop(k, None)
                 extra.pop(k, None)
             return generate_paged(
-                model, lambda: _build_engine(model, paged_config), **named, **extra
-            )
+                model, lambda: _build_engine(model, paged_config), hold_draft_engine,
+                **named, **extra,
+            )  # fmt: skip
         except PagedFallback as fb:
             warn_fallback(fb.reason, fb.detail)
         finally:

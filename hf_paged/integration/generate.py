@@ -13,12 +13,16 @@ Then one of two paths:
   logits into ``[B, V]`` and runs exactly stock ``_sample``'s loop body on it: processors,
   multinomial or argmax, pad for finished rows, stopping criteria, streamer.
 
+An assisted call (``prompt_lookup_num_tokens``, ``assistant_model``) is a native call whose
+requests carry a proposer (``assisted.py``): the engine verifies several proposed tokens per step.
+
 Anything neither path can reproduce raises ``PagedFallback`` before the engine is touched (or
 before any request is added), and the dispatcher runs stock ``generate`` instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -28,6 +32,7 @@ from transformers.generation import (
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest, RequestGroup, draw_seeds
+from hf_paged.integration.assisted import proposer_for, spec_plan
 from hf_paged.integration.prepare import (  # noqa: F401  (re-exported)
     PagedFallback,
     PreparedCall,
@@ -37,8 +42,14 @@ from hf_paged.integration.prepare import (  # noqa: F401  (re-exported)
 from hf_paged.integration.sampling import NativePlan, native_plan
 
 
-def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
+def generate_paged(
+    model, get_engine: Callable[[], object], hold_draft_engine=None, **generate_kwargs
+):
     """Run one ``generate`` call (stock's arguments, already bound by name) on the engine.
+
+    Args:
+        hold_draft_engine: ``assistant_model -> context manager yielding its engine``, for
+            calls with an ``assistant_model`` (None: such calls fall back).
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
@@ -48,11 +59,14 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
         PagedFallback: before any request is queued.
     """
     call = prepare_call(model, **generate_kwargs)
+    spec = spec_plan(call) if call.assisted else None  # its fallbacks need no engine
     engine = get_engine()
-    plan = plan_call(call, engine)
+    plan = plan_call(call, engine, spec)
     with torch.no_grad():
         if plan is not None:
-            sequences, scores, logits = _run_native(engine, call, plan), None, None
+            with proposer_for(plan.spec, call, engine, hold_draft_engine) as proposer:
+                sequences = _run_native(engine, call, plan, proposer)
+            scores = logits = None
         else:
             sequences, scores, logits = _run_external(engine, call)
     gen = call.generation_config
@@ -61,26 +75,34 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, cache=None)
 
 
-def plan_call(call: PreparedCall, engine) -> NativePlan | None:
-    """The engine-native plan of a prepared call, or None when it must sample externally (a
-    call that observes steps: streamer, scores, user processors or criteria).
+def plan_call(call: PreparedCall, engine, spec=None) -> NativePlan | None:
+    """The engine-native plan of a prepared call (carrying ``spec``, an assisted call's
+    proposer plan), or None when it must sample externally (a call that observes steps:
+    streamer, scores, user processors or criteria).
 
     Raises:
-        PagedFallback: the engine would cut a row short (or can't hold an external batch).
+        PagedFallback: the engine would cut a row short (or can't hold an external batch), or
+            an assisted call needs processors the engine does not implement.
     """
     plan = None if call.observed else native_plan(call, engine.runtime.vocab_size)
+    if spec is not None:  # speculative steps serve native plans only
+        if plan is None:
+            raise PagedFallback("assisted_processors", "assisted decoding with logits processors "
+                                "or stopping criteria the engine does not implement")  # fmt: skip
+        plan = dataclasses.replace(plan, spec=spec)
     check_fits(call, engine, native=plan is not None)
     return plan
 
 
-def native_requests(call: PreparedCall, plan: NativePlan) -> list[EngineRequest]:
+def native_requests(call: PreparedCall, plan: NativePlan, proposer=None) -> list[EngineRequest]:
     """One engine request per row of ``call`` (rows repeated for ``num_return_sequences``);
     seeds for sampled rows are drawn now from torch's global RNG, as stock's sampling would."""
     seeds = draw_seeds(len(call.prompts), plan.temperature > 0)
     return [
-        EngineRequest(p, plan.sampling_params(s), stop_strings=plan.stop_strings)
+        EngineRequest(p, plan.sampling_params(s), stop_strings=plan.stop_strings,
+                      proposer=proposer)
         for p, s in zip(call.prompts, seeds, strict=True)
-    ]
+    ]  # fmt: skip
 
 
 def native_sequences(call: PreparedCall, new: list[list[int]]) -> torch.Tensor:
@@ -95,9 +117,9 @@ def native_sequences(call: PreparedCall, new: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def _run_native(engine, call: PreparedCall, plan: NativePlan) -> torch.Tensor:
+def _run_native(engine, call: PreparedCall, plan: NativePlan, proposer=None) -> torch.Tensor:
     """Engine-sampled rows -> ``[B, L + T]``."""
-    outs = engine.run(native_requests(call, plan))
+    outs = engine.run(native_requests(call, plan, proposer))
     return native_sequences(call, [out.outputs[0].token_ids for out in outs])
 
 

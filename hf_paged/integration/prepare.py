@@ -52,6 +52,8 @@ class PreparedCall:
     user_processors: bool  # the caller passed logits processors: they see every row's logits
     user_criteria: bool  # the caller passed stopping criteria
     left_padded: bool  # every row is [pads..., tokens...]
+    assisted: bool = False  # assisted decoding (prompt lookup or an assistant model)
+    assistant_model: object | None = None
 
     @property
     def wants_scores(self) -> bool:
@@ -90,6 +92,7 @@ def prepare_call(
     stopping_criteria=None,
     prefix_allowed_tokens_fn=None,
     streamer=None,
+    assistant_model=None,
     **kwargs,
 ) -> PreparedCall:
     """Stock ``generate``'s steps 1-8 for a decoder-only call, without running the model.
@@ -107,10 +110,12 @@ def prepare_call(
         for name in ("max_length", "min_length")
     }
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    _check_generation_config(gen)
+    mode = gen.get_generation_mode(assistant_model)
+    _check_generation_config(gen, mode)
     model._validate_model_kwargs(model_kwargs.copy())
-    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer)) if v}
-    model._validate_generation_mode(gen.get_generation_mode(None), gen, mode_kwargs)
+    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
+                                     ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
+    model._validate_generation_mode(mode, gen, mode_kwargs)
     inputs_tensor, mask = _prepare_prompt(model, gen, inputs, model_kwargs)
 
     input_ids, expanded = model._expand_inputs_for_generation(
@@ -158,6 +163,8 @@ def prepare_call(
         # transformers' own max-length / EOS / stop-string criteria are planned natively
         user_criteria=any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ()),
         left_padded=bool((keep[:, 1:] >= keep[:, :-1]).all()),
+        assisted=mode == GenerationMode.ASSISTED_GENERATION,
+        assistant_model=assistant_model,
     )
 
 
@@ -191,9 +198,9 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
     return inputs_tensor, mask
 
 
-def _check_generation_config(gen) -> None:
-    mode = gen.get_generation_mode(None)
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+def _check_generation_config(gen, mode) -> None:
+    served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+    if mode not in served + (GenerationMode.ASSISTED_GENERATION,):
         raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gen, flag, False):

@@ -52,6 +52,8 @@ class NativePlan:
     stop_token_ids: tuple[int, ...]
     # the call's StopStringCriteria as an engine matcher (None: no stop strings)
     stop_strings: StopStrings | None = field(default=None, compare=False)
+    # assisted decoding: the proposer's plan (``integration/assisted.py``), None = none
+    spec: object | None = field(default=None, compare=False)
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The engine request for one row; ``seed`` only matters when sampling."""

@@ -22,6 +22,7 @@ from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.parity_utils import (
     RecordingProcessor,
+    RecordingStreamer,
     fallback_warnings,
     left_pad,
     make_prompts,
@@ -95,13 +96,15 @@ def _call_cases(llama):
             "beam_sample",
             lambda: dict(base, input_ids=IDS, num_beams=2, do_sample=True),
         ),
-        "assistant_model": (
-            "assisted_generation",
-            lambda: dict(base, input_ids=IDS, assistant_model=build_hf_model("llama", seed=1)),
+        "assistant_model_self": (
+            "assisted_self",
+            lambda: dict(base, input_ids=IDS, assistant_model=llama),
         ),
-        "prompt_lookup": (
-            "assisted_generation",
-            lambda: dict(base, input_ids=IDS, prompt_lookup_num_tokens=2),
+        "prompt_lookup_streamer": (
+            "assisted_observed",
+            lambda: dict(
+                base, input_ids=IDS, prompt_lookup_num_tokens=2, streamer=RecordingStreamer()
+            ),
         ),
         "custom_generate": (
             "custom_generate",
