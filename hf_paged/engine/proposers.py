@@ -222,8 +222,11 @@ class DraftModelProposer:
             self.engine.abort(self._rid.pop(sid))
         for i in active:
             self._sync(items[i].seq)
+        # draws come from the target requests' generators: on the target's device
+        dev = next((it.generator.device for it in items if it.generator is not None), None)
         while active:
             logits = self._collect([self._rid[items[i].seq.seq_id] for i in active])
+            logits = logits if dev is None else logits.to(dev)
             tokens, q, conf = self._draw(logits, [items[i] for i in active],
                                          [drafts[i] for i in active])  # fmt: skip
             still = []
