@@ -99,10 +99,11 @@ class NgramProposer:
     Args:
         num_tokens: most tokens proposed per step (``prompt_lookup_num_tokens``).
         max_matching_ngram_size: longest n-gram looked up (stock's default 2).
-        backoff: after two steps in a row that kept none of a sequence's proposals, propose for
-            it only every 2nd, 4th, ... (at most 16th) step until a proposal is kept again, so
-            that text the lookup does not predict costs little more than plain decoding (a
-            speed choice of ours; stock proposes every step).
+        backoff: after a step that kept none of a sequence's proposals, skip proposing for it
+            3 steps, after a second such step in a row 15, then 63, then 255 (at most), until a
+            proposal is kept again: a verification step costs more than a plain decode step
+            (it runs eagerly, not as a CUDA graph), so text the lookup does not predict must not
+            pay for it every step (a speed choice of ours; stock proposes every step).
 
     Raises:
         ValueError: a count that is not a positive int.
@@ -142,8 +143,7 @@ class NgramProposer:
             self._misses.pop(sid, None)
             return
         misses = self._misses[sid] = self._misses.get(sid, 0) + 1
-        if misses >= 2:
-            self._skip[sid] = min(2 ** (misses - 1), 16) - 1
+        self._skip[sid] = min(4**misses, 256) - 1
 
     def release(self, seq: Sequence) -> None:
         for d in (self._index, self._misses, self._skip):

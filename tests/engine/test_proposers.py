@@ -66,16 +66,14 @@ def test_prompt_lookup_index_follows_a_growing_sequence():
 def test_prompt_lookup_backs_off_where_nothing_is_kept():
     prop = NgramProposer(3, 2)
     it = item([5, 6, 7, 5, 6])
-    proposes = []
-    for kept in [0, 0, None, 0, None, None, None, 1]:  # None: a step without a proposal
+    proposes, kept = [], iter([0, 0, 1, 2])  # per proposal: tokens kept
+    for _ in range(1 + 3 + 1 + 15 + 2):
         got = prop.propose([it])[0].token_ids
         proposes.append(bool(got))
         if got:
-            prop.observe(it.seq, len(got), kept)
-    # two misses: skip 1 step; a third: skip 3; a kept token ends the back-off
-    assert proposes == [True, True, False, True, False, False, False, True]
-    prop.observe(it.seq, 3, 1)
-    assert prop.propose([it])[0].token_ids
+            prop.observe(it.seq, len(got), next(kept))
+    # a miss: skip 3 steps; a second miss in a row: skip 15; a kept token ends the back-off
+    assert proposes == [True] + [False] * 3 + [True] + [False] * 15 + [True, True]
     prop.release(it.seq)
     assert not prop._index and not prop._misses and not prop._skip
 
