@@ -9,9 +9,13 @@ PY := $(VENV)/bin/python
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+	@echo "make: creating $(VENV) and installing torch 2.13.0 (a CPU build from local disk), then"
+	@echo "      hf_paged with its dev extra (transformers, triton, peft, lm-eval, datasets):"
+	@echo "      about 4 minutes on a fresh machine"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	@echo "make: installed into $(VENV)"
 	touch $@
 
 demo: install

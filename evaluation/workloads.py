@@ -1,4 +1,4 @@
-"""Benchmark workloads (DESIGN.md, "Benchmark workloads"): request sets, model architectures
+"""Benchmark workloads (evaluation/README.md, "Workloads"): request sets, model architectures
 with random weights, and the environment record every result file carries.
 
 * W1 / W2: 256 requests, prompt lengths U[100, 1024], output lengths U[100, 1024], prompt token

@@ -156,7 +156,7 @@ def __getattr__(name: str):  # module attribute access: ``envs.HF_PAGED_PDL``
 
 def snapshot() -> dict[str, bool | str]:
     """Every switch's value now, ``{name: value}`` (reads and caches those not read yet)."""
-    _warn_unknown()
+    warn_unknown()
     return {name: get(name) for name in SWITCHES}
 
 
@@ -183,7 +183,7 @@ def reset(*names: str) -> None:
         globals().pop(name, None)
 
 
-def _warn_unknown() -> None:
+def warn_unknown() -> None:
     """Warn once per name about set ``HF_PAGED_*`` variables that are no switch (a typo, or a
     switch that no longer exists), with the nearest switch name."""
     for name in os.environ:

@@ -25,7 +25,13 @@ import uuid
 import warnings
 from dataclasses import dataclass
 
-import ray
+try:
+    import ray
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(
+        "hf_paged.ray needs ray[data]: pip install 'ray[data]' (from a clone of hf_paged: "
+        "pip install -e '.[ray]')"
+    ) from e
 
 from hf_paged.config import SamplingParams
 from hf_paged.rows import check_columns, generate_rows, resolve_sampling

@@ -126,6 +126,12 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
         ids = self.validate_prompt(prompt_token_ids)
+        nxt = params.prompt_logprobs_next
+        if nxt is not None and nxt >= self.runtime.vocab_size:
+            raise ValueError(
+                f"prompt_logprobs_next={nxt} is not allowed: must be in "
+                f"[0, {self.runtime.vocab_size})"
+            )
         if external_sampling and params.n != 1:
             raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
         if proposer is not None:

@@ -91,6 +91,8 @@ class ModelRunner:
         self.block_size = spec.config.kv_block_size
         self.device = torch.device(spec.device)
         self.dtype = spec.dtype
+        # the KV cache's dtype: the model's, or float8_e4m3fn (kv_cache_dtype="fp8")
+        self.kv_dtype = torch.float8_e4m3fn if spec.config.kv_cache_dtype != "auto" else spec.dtype
         self.max_model_len = spec.max_model_len
 
         backend = select_backend(self.device.type, spec.config.attention_backend)
@@ -130,7 +132,9 @@ class ModelRunner:
     def _set_kv_cache(self, num_blocks: int) -> KVCache:
         """Set the runner's KV cache to a zeroed one of ``num_blocks`` blocks (the steps
         prepared from now on carry it in their metadata)."""
-        self.kv_cache = KVCache(self.kv_specs, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            self.kv_specs, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
         return self.kv_cache
 
     def _cuda_graph_problem(self) -> str | None:
@@ -194,7 +198,7 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         """Bytes one block id costs: every layer's K and V (layers may differ)."""
-        return KVCache.block_bytes(self.kv_specs, self.block_size, self.dtype)
+        return KVCache.block_bytes(self.kv_specs, self.block_size, self.kv_dtype)
 
     def allocate_kv_cache(self) -> int:
         """Size and allocate the KV cache; returns the block count (MIN over ranks)."""

@@ -71,14 +71,6 @@ def _check_each_id(ids: list, vocab_size: int) -> None:
         ids[pos] = operator.index(t)
 
 
-def draw_seeds(n: int, sampled: bool) -> list[int | None]:
-    """Per-row seeds drawn from torch's global RNG (so ``torch.manual_seed`` reproduces a call,
-    as it does for stock ``generate``); all None when nothing is sampled."""
-    if not sampled:
-        return [None] * n
-    return torch.randint(0, 2**62, (n,)).tolist()
-
-
 def budget(params: SamplingParams) -> int:
     """Most tokens a request can generate (the unit of ``stream``'s progress callback)."""
     return params.max_tokens * params.n

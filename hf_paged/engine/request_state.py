@@ -54,8 +54,9 @@ class RequestState:
             stop_ids=eos + params.stop_token_ids, stop_strings=stop_strings, proposer=proposer,
         )  # fmt: skip
         if params.prompt_logprobs is not None:
+            scored = ids if params.prompt_logprobs_next is None else [*ids, params.prompt_logprobs_next]
             req.prompt_lps = PromptLogprobState(
-                ids, params.prompt_logprobs, params.prompt_logprobs_start
+                scored, params.prompt_logprobs, params.prompt_logprobs_start
             )
             seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
         return req

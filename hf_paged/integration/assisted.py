@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from hf_paged.integration.prepare import PagedFallback, PreparedCall
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.prepare import PreparedCall
 
 # stock's global defaults for the assistant's generation config fields it leaves unset
 _ASSISTANT_DEFAULTS = {
@@ -94,32 +95,44 @@ def spec_plan(call: PreparedCall) -> SpecPlan:
     )
 
 
+def ngram_proposer(plan: SpecPlan):
+    """A prompt-lookup proposer for one call's requests (its state is per sequence)."""
+    from hf_paged.engine.proposers import NgramProposer
+
+    return NgramProposer(plan.num_tokens, plan.max_matching_ngram_size)
+
+
 @contextlib.contextmanager
-def proposer_for(plan: SpecPlan | None, call: PreparedCall, engine, hold_draft_engine):
-    """The proposer the call's requests carry (None without ``plan``); a draft engine is held
-    for the block (``hold_draft_engine(assistant_model)`` is a context manager).
+def draft_proposer(plan: SpecPlan, assistant, engine):
+    """A ``DraftModelProposer`` over the assistant's engine, held for the block: an HF model's
+    own paged engine (``dispatch.hold_engine``: its ``configure`` options apply; on a GPU give
+    the two engines memory shares that fit together), or a ``PagedModelForCausalLM``'s.
 
     Raises:
-        PagedFallback: the assistant's engine cannot draft for ``engine``.
+        PagedFallback: the engine cannot serve the assistant (reason ``assistant_...``), it is
+            the model's own engine, or its vocabulary is not the model's.
     """
-    from hf_paged.engine.proposers import DraftModelProposer, NgramProposer
+    import torch
 
-    if plan is None:
-        yield None
-    elif plan.kind == "ngram":
-        yield NgramProposer(plan.num_tokens, plan.max_matching_ngram_size)
+    from hf_paged.engine.proposers import DraftModelProposer
+    from hf_paged.integration import dispatch, servable
+
+    if isinstance(assistant, torch.nn.Module):
+        fb = servable.model_reason(assistant)
+        if fb is not None:
+            raise PagedFallback(f"assistant_{fb.reason}", f"the assistant: {fb.detail}")
+        held = dispatch.hold_engine(assistant)
+    elif callable(getattr(assistant, "hold_engine", None)):  # a PagedModelForCausalLM
+        held = assistant.hold_engine()
     else:
-        if hold_draft_engine is None:
-            raise PagedFallback("assistant_model", "this caller has no engine for an assistant")
-        with hold_draft_engine(call.assistant_model) as draft:
-            if draft is engine:
-                raise PagedFallback("assisted_self", "assistant_model is the model itself")
-            if draft.runtime.vocab_size != engine.runtime.vocab_size:
-                raise PagedFallback(
-                    "assistant_vocab",
-                    f"the assistant's vocabulary ({draft.runtime.vocab_size}) is not the model's "
-                    f"({engine.runtime.vocab_size})",
-                )
-            yield DraftModelProposer(
-                draft, plan.num_tokens, plan.schedule, plan.confidence_threshold
+        raise PagedFallback("assistant_model", f"{type(assistant).__name__} is not a model")
+    with held as draft:
+        if draft is engine:
+            raise PagedFallback("assisted_self", "assistant_model is the model itself")
+        if draft.runtime.vocab_size != engine.runtime.vocab_size:
+            raise PagedFallback(
+                "assistant_vocab",
+                f"the assistant's vocabulary ({draft.runtime.vocab_size}) is not the model's "
+                f"({engine.runtime.vocab_size})",
             )
+        yield DraftModelProposer(draft, plan.num_tokens, plan.schedule, plan.confidence_threshold)

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 peft = pytest.importorskip("peft")
 
-from hf_paged.integration.dispatch import PagedFallbackWarning  # noqa: E402
+from hf_paged import PagedFallbackWarning  # noqa: E402
 from hf_paged.testing import build_hf_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -14,13 +14,34 @@ import pytest
 import torch
 from transformers import TextStreamer
 
-from hf_paged import AutoPagedModelForCausalLM
+from hf_paged import AutoPagedModelForCausalLM, envs
 from hf_paged.integration import dispatch
-from hf_paged.integration.dispatch import PagedFallbackWarning
+from hf_paged.integration.fallback import PagedFallbackWarning, reset_fallback_warnings
 from hf_paged.testing import build_char_tokenizer, build_hf_model
 
 ENGINE = dict(num_kv_blocks=128, kv_block_size=4, max_num_seqs=8, max_model_len=128)
 COMMON = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def clean_dispatch(monkeypatch):
+    """The dispatcher installed, no backend switch set, fallback warnings afresh."""
+    dispatch.install()
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    envs.reset()
+    dispatch.set_default_backend(None)
+    reset_fallback_warnings()
+    yield
+    dispatch.set_default_backend(None)
+    envs.reset()
 
 
 def perturbed(seed: int, noise: float):

@@ -9,6 +9,7 @@ import torch
 
 from hf_paged import envs
 from hf_paged.integration import dispatch
+from hf_paged.integration.fallback import reset_fallback_warnings
 from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.parity_utils import SMALL_ENGINE
@@ -31,7 +32,7 @@ def clean_dispatch(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     envs.reset()  # switches are read once per process: each test reads its own environment
     dispatch.set_default_backend(None)
-    dispatch._reset_fallback_warnings()
+    reset_fallback_warnings()
     yield
     dispatch.set_default_backend(None)
     envs.reset()

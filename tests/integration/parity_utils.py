@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from hf_paged.integration.dispatch import PagedFallbackWarning
+from hf_paged import PagedFallbackWarning
 from hf_paged.testing import build_char_tokenizer
 
 PAD = 0  # tiny_config: pad 0, bos 1, eos 2, vocab 256

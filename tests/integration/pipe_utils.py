@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from hf_paged.cli import PagedCallCounter
+from hf_paged.cli.run import ServedCounter
 from hf_paged.integration.pipeline import (
     install_pipeline,
     is_pipeline_installed,
@@ -66,7 +66,7 @@ def stock_pipe(ckpt, pipeline_wrapper):
 @pytest.fixture
 def counter():
     """Counts the engine's calls during one test."""
-    c = PagedCallCounter()
+    c = ServedCounter()
     c.install()
     yield c
     c.uninstall()

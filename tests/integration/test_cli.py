@@ -138,8 +138,8 @@ def test_run_gives_the_plain_outputs_and_the_engine_served_them(plain_runs):
     assert paged_code == 0, paged_err
     assert out.count("generate:") == 3 and out.count("pipeline:") == 3
     assert paged_out == out
-    # 1 batched generate + the pipeline's 3 prompts, one call each; a fallback would not count
-    assert "hf_paged: 4 generate call(s) served by the paged engine" in paged_err
+    # 1 batched generate + the pipeline's 3 prompts, one batch each; a fallback would not count
+    assert "served by the paged engine: 1 generate call(s), 3 pipeline batch(es)" in paged_err
     assert "PagedFallbackWarning" not in paged_err
 
 
@@ -156,7 +156,7 @@ def test_run_module_sets_argv_env_and_exit_code(monkeypatch, capsys):
     assert seen["argv"][1:] == ["a", "exit=3"]
     assert seen["name"] == "__main__" and seen["backend"] == "paged"
     assert seen["path0"] == os.getcwd()
-    assert "hf_paged: 0 generate call(s) served" in err
+    assert "hf_paged: served by the paged engine: 0 generate call(s)" in err
 
 
 def test_run_script_path(monkeypatch, capsys):

@@ -14,8 +14,9 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_paged.config import EngineConfig
 from hf_paged.integration import dispatch
-from hf_paged.integration.generate import prepare_call
-from hf_paged.integration.sampling import NotNative, native_plan, plan_native
+from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.integration.plan import native_plan, plan_native
+from hf_paged.integration.prepare import prepare_call
 from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.parity_utils import left_pad, make_prompts
@@ -60,7 +61,7 @@ def test_no_switch_is_stock_and_builds_nothing(llama, factory_calls):
     out = llama.generate(**kw)
     assert torch.equal(out, stock)
     assert factory_calls == []
-    assert dispatch._SLOT_ATTR not in llama.__dict__
+    assert existing_owner(llama) is None
 
 
 def test_backend_hf_keyword_is_stock(llama, factory_calls):
@@ -304,9 +305,10 @@ def test_plan_native_rejects_unknown_and_right_semantics():
 
     crit = [MaxLengthCriteria(10)]
     kw = dict(do_sample=True, input_length=4, vocab_size=256, left_padded=True)
-    with pytest.raises(NotNative, match="min_tokens_to_keep"):
-        plan_native([TopKLogitsWarper(5, min_tokens_to_keep=2)], crit, **kw)
-    with pytest.raises(NotNative, match="left padded"):
-        plan_native([RepetitionPenaltyLogitsProcessor(1.2)], crit, **dict(kw, left_padded=False))
-    assert plan_native([TopKLogitsWarper(300)], crit, **kw).top_k == -1  # >= vocab: off
-    assert plan_native([], crit, **dict(kw, input_length=10)).max_tokens == 1  # like stock
+    plan, why = plan_native([TopKLogitsWarper(5, min_tokens_to_keep=2)], crit, **kw)
+    assert plan is None and "min_tokens_to_keep" in why
+    plan, why = plan_native([RepetitionPenaltyLogitsProcessor(1.2)], crit,
+                            **dict(kw, left_padded=False))  # fmt: skip
+    assert plan is None and "left padded" in why
+    assert plan_native([TopKLogitsWarper(300)], crit, **kw)[0].top_k == -1  # >= vocab: off
+    assert plan_native([], crit, **dict(kw, input_length=10))[0].max_tokens == 1  # like stock

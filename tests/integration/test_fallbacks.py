@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from hf_paged.integration import dispatch
+from hf_paged.integration.engine_owner import existing_owner
 from tests.helpers import build_hf_model
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.parity_utils import (
@@ -239,7 +240,7 @@ def test_model_fallback(engines, reason):
     else:
         check_fallback(model, reason, lambda: kwargs)
     assert engines == []
-    assert dispatch._SLOT_ATTR not in model.__dict__
+    assert existing_owner(model) is None
 
 
 def test_one_warning_per_reason_per_process(llama, engines):

@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged.integration import dispatch
+from hf_paged.integration.engine_owner import existing_owner
 from tests.helpers import build_hf_model
 from tests.integration.parity_utils import (
     SMALL_ENGINE,
@@ -256,7 +257,7 @@ def test_external_path_with_fewer_sequence_slots_than_rows(model, batch):
         attention_mask=mask, max_new_tokens=NEW, paged_config=cfg,
     )  # fmt: skip
     assert torch.equal(paged, stock)
-    assert model.__dict__[dispatch._SLOT_ATTR].built_with.max_num_seqs == 2  # it ran there
+    assert existing_owner(model).built_with.max_num_seqs == 2  # it ran there
 
 
 def test_criteria_without_eos_rows_keep_generating(model, batch):

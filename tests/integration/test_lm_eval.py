@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
-from hf_paged.integration.lm_eval_requests import score_window  # noqa: E402
+from hf_paged.integration.lm_eval.scoring import score_window  # noqa: E402
 from hf_paged.testing import save_demo_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -208,7 +208,7 @@ def test_score_window_truncates_like_stock():
 def test_install_registers_model_and_uninstall_restores():
     import lm_eval.api.registry as registry
 
-    from hf_paged.integration import lm_eval as adapter
+    from hf_paged.integration.lm_eval import install as adapter
 
     assert adapter.install_lm_eval()
     from lm_eval.models.huggingface import HFLM
@@ -229,7 +229,7 @@ def test_until_matcher_is_lm_evals_criterion():
     import torch
     from lm_eval.models.utils_hf import MultiTokenEOSCriteria
 
-    from hf_paged.integration.lm_eval_generate import UntilMatcher
+    from hf_paged.integration.lm_eval.generate_until import UntilMatcher
     from hf_paged.testing import build_char_tokenizer
 
     tok = build_char_tokenizer()
@@ -257,7 +257,7 @@ def hflm(tmp_path):
     from lm_eval.models.huggingface import HFLM
 
     from hf_paged.integration import dispatch
-    from hf_paged.integration import lm_eval as adapter
+    from hf_paged.integration.lm_eval import install as adapter
 
     adapter.install_lm_eval()
     lm = HFLM(pretrained=save_demo_model(str(tmp_path / "m")), device="cpu", dtype="float32",
@@ -320,6 +320,8 @@ def test_fallback_is_named(hflm):
     dispatch.set_default_backend("hf")
     stock = lm._loglikelihood_tokens(reqs)
     dispatch.set_default_backend("paged")
-    adapter._warned.clear()
+    from hf_paged.integration.fallback import reset_fallback_warnings
+
+    reset_fallback_warnings()
     with pytest.warns(PagedFallbackWarning, match=r"autocast"):
         assert lm._loglikelihood_tokens(reqs) == stock

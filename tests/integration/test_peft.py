@@ -25,10 +25,14 @@ from peft import (  # noqa: E402
     get_peft_model,
 )
 
-from hf_paged import LLM, SamplingParams  # noqa: E402
+from hf_paged import (  # noqa: E402
+    LLM,
+    PagedFallbackWarning,  # noqa: E402
+    SamplingParams,
+)
 from hf_paged.integration import dispatch  # noqa: E402
 from hf_paged.integration.auto import AutoPagedModelForCausalLM  # noqa: E402
-from hf_paged.integration.dispatch import PagedFallbackWarning  # noqa: E402
+from hf_paged.integration.fallback import reset_fallback_warnings  # noqa: E402
 from tests.helpers import build_hf_model  # noqa: E402
 from tests.integration.parity_utils import (  # noqa: E402
     PAD,
@@ -354,7 +358,7 @@ def _dora():
 )
 def test_unsupported_peft_falls_back_and_llm_refuses(make, reason):
     model = make()
-    dispatch._reset_fallback_warnings()
+    reset_fallback_warnings()
     stock = model.generate(**_inputs(8))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -369,7 +373,7 @@ def test_unsupported_peft_falls_back_and_llm_refuses(make, reason):
 def test_lora_on_tied_embeddings_falls_back():
     """Qwen3's lm_head is its embedding: one engine tensor can't hold two different weights."""
     model = _lora("qwen3", targets=["lm_head", "q_proj"])
-    dispatch._reset_fallback_warnings()
+    reset_fallback_warnings()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         paged = model.generate(**_inputs(8), backend="paged", paged_config=SMALL_ENGINE)
@@ -380,7 +384,7 @@ def test_lora_on_tied_embeddings_falls_back():
 def test_per_row_adapter_names_fall_back():
     model = _lora("llama", targets=["q_proj", "v_proj"])
     names = ["default", "__base__"] * (len(LENGTHS) // 2)
-    dispatch._reset_fallback_warnings()
+    reset_fallback_warnings()
     stock = model.generate(**_inputs(8), adapter_names=names)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -392,7 +396,7 @@ def test_per_row_adapter_names_fall_back():
 def test_disabled_while_merged_falls_back(base_outputs):
     model = _lora("llama")
     model.merge_adapter()
-    dispatch._reset_fallback_warnings()
+    reset_fallback_warnings()
     with model.disable_adapter(), warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         out = model.generate(**_inputs(), backend="paged", paged_config=SMALL_ENGINE)

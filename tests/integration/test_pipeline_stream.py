@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
-from hf_paged.integration import dispatch, generate
+from hf_paged.integration import dispatch, paged_call
 from tests.integration import pipe_utils
 from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
 
@@ -57,9 +57,9 @@ def _no_leaks(engine) -> None:
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_size, monkeypatch):
     prepared = []
-    real = generate.prepare_call
+    real = paged_call.prepare_call
     monkeypatch.setattr(
-        generate, "prepare_call", lambda *a, **k: prepared.append(1) or real(*a, **k)
+        paged_call, "prepare_call", lambda *a, **k: prepared.append(1) or real(*a, **k)
     )
     out = paged_pipe(MANY, batch_size=batch_size, **GREEDY)
     # unpadded rows with max_new_tokens share one preparation; padded batches each have their own

@@ -1,11 +1,14 @@
-"""Quantized models and checkpoints: the engine implements no quantized weights, so a model or
-checkpoint whose config carries a ``quantization_config`` never runs on it as if its weights
-were plain. ``generate(backend="paged")`` and ``pipeline(..., backend="paged")`` run stock with
-a ``PagedFallbackWarning`` naming the method; ``LLM`` and ``AutoPagedModelForCausalLM`` raise a
+"""Quantized models and checkpoints the engine does not serve (it serves the FP8 formats of
+``hf_paged.layers.quantization``; tests/models/test_fp8_checkpoints.py): a model or checkpoint
+whose config carries another ``quantization_config`` never runs on it as if its weights were
+plain. ``generate(backend="paged")`` and ``pipeline(..., backend="paged")`` run stock with a
+``PagedFallbackWarning`` naming the method; ``LLM`` and ``AutoPagedModelForCausalLM`` raise a
 ValueError naming it.
 
 bitsandbytes / GPTQ / AWQ can't be loaded here, so the config is faked on a tiny fp32 model
 (or in a checkpoint directory's config.json); stock generate still runs on its plain weights.
+"fp8" is an FP8 variant the engine does not serve (UE8M0 scales), which stock transformers
+loads on CPU by dequantizing.
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ METHODS = {
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
     "awq": {"quant_method": "awq", "bits": 4, "version": "gemm"},
-    "fp8": {"quant_method": "fp8", "weight_block_size": [128, 128]},
-}
+    "fp8": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+    "compressed-tensors": {  # an int8 scheme: only its FP8 schemes are served
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}},
+    },
+}  # fmt: skip
 
 
 def _no_engine(model, config):
@@ -56,6 +64,20 @@ def test_generate_falls_back_naming_the_method(llama, method, monkeypatch):
     assert torch.equal(paged, stock)
     (message,) = fallback_warnings(rec)
     assert f"quant_method={method!r}" in message and f"[quantized_{method}]" in message
+
+
+def test_fp8_config_over_plain_weights_is_served(llama, monkeypatch):
+    """An in-memory model whose config names FP8 but whose weights are plain (transformers
+    dequantized them at load: ``dequantize=True``) runs paged, as the plain model it is."""
+    ids, mask = left_pad(make_prompts([1, 4, 7]))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    stock = llama.generate(**kwargs)
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "dequantize": True}
+    monkeypatch.setattr(llama.config, "quantization_config", qc, raising=False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        paged = llama.generate(**kwargs, backend="paged", paged_config=SMALL_ENGINE)
+    assert torch.equal(paged, stock) and not fallback_warnings(rec)
 
 
 def test_quantization_method_reads_configs_and_models(llama):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_paged.engine.stop import StopStrings, StopTextFilter
-from hf_paged.integration.lm_eval_generate import UntilMatcher
+from hf_paged.integration.lm_eval.generate_until import UntilMatcher
 from hf_paged.testing import build_char_tokenizer
 
 CORPUS = [

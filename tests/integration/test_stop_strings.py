@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
-from hf_paged.integration import generate as gen_mod
+from hf_paged.integration import paged_call
 from tests.integration.parity_utils import build_tokenizer, left_pad, make_prompts, stock_and_paged
 
 NEW = 10
@@ -22,7 +22,7 @@ def native_only(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("took the external-sampling path")
 
-    monkeypatch.setattr(gen_mod, "_run_external", refuse)
+    monkeypatch.setattr(paged_call, "run_external", refuse)
 
 
 @pytest.fixture(scope="module")

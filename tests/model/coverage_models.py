@@ -223,11 +223,8 @@ def run_arch(
     (``WIDE_COPIES``) unless ``wide`` is False."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from hf_paged.integration.dispatch import (
-        PagedFallbackWarning,
-        _reset_fallback_warnings,
-        release,
-    )
+    from hf_paged import PagedFallbackWarning, release
+    from hf_paged.integration.fallback import reset_fallback_warnings
 
     t0 = time.perf_counter()
     res = ArchResult(model_type, class_name, "no_build")
@@ -249,7 +246,7 @@ def run_arch(
         res.detail = f"{type(e).__name__}: {_short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
-    _reset_fallback_warnings()
+    reset_fallback_warnings()
     # no prefix caching: the wide step's copies of one prompt each compute all their tokens
     cfg = dict(kv_block_size=block_size, model_impl=model_impl, max_model_len=64,
                num_kv_blocks=64 * WIDE_COPIES, enable_prefix_caching=False, device=device)  # fmt: skip
@@ -283,10 +280,10 @@ def run_arch(
 
 
 def _engine_ran(model) -> bool:
-    from hf_paged.integration.dispatch import _SLOT_ATTR
+    from hf_paged.integration.engine_owner import existing_owner
 
-    slot = model.__dict__.get(_SLOT_ATTR)
-    return slot is not None and slot.engine is not None
+    owner = existing_owner(model)
+    return owner is not None and owner.engine is not None
 
 
 def _short(e, n: int = 160) -> str:

@@ -13,12 +13,9 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from hf_paged.integration.dispatch import (
-    _SLOT_ATTR,
-    PagedFallbackWarning,
-    _reset_fallback_warnings,
-    release,
-)
+from hf_paged import PagedFallbackWarning, release
+from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.integration.fallback import reset_fallback_warnings
 from hf_paged.testing import randomize_
 from tests.integration.parity_utils import left_pad
 from tests.model import test_engine_parity as parity
@@ -83,12 +80,12 @@ def paged_vs_stock(model, ids, mask, **engine):
     """(stock tokens, paged tokens, fallback messages, the engine's model or None)."""
     with torch.no_grad():
         ref = _generate(model, ids, mask)
-    _reset_fallback_warnings()
+    reset_fallback_warnings()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = _generate(model, ids, mask, backend="paged", paged_config={**ENGINE, **engine})
-        slot = model.__dict__.get(_SLOT_ATTR)
+        slot = existing_owner(model)
         served = slot.engine.executor.runner.model if slot and slot.engine else None
     finally:
         release(model)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_paged.integration.dispatch import PagedFallbackWarning, _reset_fallback_warnings
+from hf_paged import PagedFallbackWarning
+from hf_paged.integration.fallback import reset_fallback_warnings
 from hf_paged.models.generic.support import UnsupportedModelError
 from hf_paged.testing import randomize_
 from tests.model import test_engine_parity as parity
@@ -63,10 +64,10 @@ def _generate(model, ids, mask, **kw):
 def paged_fallbacks(model, **kw) -> tuple[object, list[str]]:
     """``generate(backend="paged")`` on coverage's left-padded prompts; (output, fallback
     warning texts)."""
-    from hf_paged.integration.dispatch import release
+    from hf_paged import release
 
     ids, mask = (t.to(model.device) for t in prompts(model.config.get_text_config().vocab_size))
-    _reset_fallback_warnings()
+    reset_fallback_warnings()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)

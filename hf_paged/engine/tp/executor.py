@@ -27,6 +27,7 @@ from hf_paged.engine.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.tp.workers import WorkerGroup
+from hf_paged.models.registry import tp_split_problem
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -70,6 +71,9 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
+        problem = tp_split_problem(runtime.hf_config, world)
+        if problem is not None:  # said before a worker starts (each would fail the same way)
+            raise ValueError(problem)
         spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
         # The store's socket is bound here, to 127.0.0.1 only (TCPStore alone would listen on
         # every interface), and handed over: no other process can take the port in between.

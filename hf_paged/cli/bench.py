@@ -8,9 +8,23 @@ import json
 import random
 import time
 
-from hf_paged.cli import _check_model_path, _engine_kwargs
+from hf_paged.cli.options import add_engine_options, check_model_path, engine_kwargs
 
-# ---- bench -----------------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="stock generate vs paged on a W1-like workload")
+    b.add_argument("model_path", metavar="MODEL_PATH", help="local checkpoint directory")
+    b.add_argument("--num-requests", type=int, default=16)
+    b.add_argument("--min-input-len", type=int, default=16)
+    b.add_argument("--max-input-len", type=int, default=64)
+    b.add_argument("--min-output-len", type=int, default=16)
+    b.add_argument("--max-output-len", type=int, default=64)
+    b.add_argument("--hf-batch-size", type=int, default=64, help="stock generate's batch size")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--skip-hf", action="store_true", help="time the paged engine only")
+    b.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    add_engine_options(b)
+    b.set_defaults(handler=cmd_bench, command_parser=b)
 
 
 def _workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
@@ -105,14 +119,14 @@ def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    _check_model_path(parser, args.model_path)
+    check_model_path(parser, args.model_path)
     _check_bench_args(parser, args)
     from transformers import AutoConfig
 
     from hf_paged.config import EngineConfig
 
     try:
-        EngineConfig.from_dict(_engine_kwargs(args))
+        EngineConfig.from_dict(engine_kwargs(args))
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     vocab = AutoConfig.from_pretrained(args.model_path).vocab_size
@@ -129,7 +143,7 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         rows.append(("hf", hf_s))
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    paged_s, device, dtype = _bench_paged(args.model_path, prompts, out_lens, _engine_kwargs(args))
+    paged_s, device, dtype = _bench_paged(args.model_path, prompts, out_lens, engine_kwargs(args))
     rows.append(("paged", paged_s))
     _print_bench(rows, total, len(prompts), device, dtype, args.json)
     return 0

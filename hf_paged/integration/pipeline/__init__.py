@@ -16,14 +16,15 @@ changes nothing unless the call passes ``backend`` or ``paged_config``:
   (``pipe(text, backend="hf")``).
 * ``backend="paged"`` with a PEFT adapter directory (``adapter_config.json``, no
   ``config.json``): transformers loads the base model and the adapter, and the calls go paged
-  with the LoRA merged into the engine's weights (``peft.py``).
-* ``backend="paged"`` with a quantized checkpoint directory (a ``quantization_config`` in its
-  config): the stock pipeline with stock calls, and a ``PagedFallbackWarning`` naming the method.
+  with the LoRA merged into the engine's weights (``models/peft.py``).
+* ``backend="paged"`` with a quantized checkpoint directory whose ``quantization_config`` the
+  engine does not serve (anything but its FP8 formats): the stock pipeline with stock calls, and
+  a ``PagedFallbackWarning`` naming the method. FP8 checkpoints open paged like plain ones.
 * ``backend="hf"``: stock, also when ``HF_PAGED_BACKEND=paged`` or
   ``set_default_backend("paged")`` would make the pipeline's calls paged.
 
 Either way, and for a text-generation pipeline built while the process default is paged, the
-pipeline is a ``PagedTextGenerationPipeline`` (``pipeline_stream.py``): called on a list, a
+pipeline is a ``PagedTextGenerationPipeline`` (``streaming.py``): called on a list, a
 dataset or a generator it sends all inputs into one engine run, whatever ``batch_size`` is,
 with stock's outputs in stock's order.
 
@@ -45,7 +46,8 @@ import transformers
 _first_transformers = sys.modules["transformers"]
 import transformers.pipelines  # noqa: E402, F401  (after the line above: see _modules)
 
-from hf_paged.integration import dispatch  # noqa: E402
+from hf_paged.integration import dispatch, hooks  # noqa: E402
+from hf_paged.integration.fallback import warn_fallback  # noqa: E402
 
 TASK = "text-generation"
 _lock = threading.Lock()
@@ -152,7 +154,7 @@ def _build(original, bound, backend, paged_config):
         quantized = quantized_checkpoint_reason(model)
         adapter_dir = is_adapter_dir(model)
     if quantized is not None:  # stock loads it with its quantizer; its calls stay stock
-        dispatch.warn_fallback(*quantized)
+        warn_fallback(quantized, "pipeline(backend='paged')")
         extra["backend"] = "hf"
     elif adapter_dir:  # stock loads base + adapter; the calls go paged with LoRA merged
         extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
@@ -187,7 +189,7 @@ def _build(original, bound, backend, paged_config):
 def _streaming_class(cls):
     from transformers.pipelines.text_generation import TextGenerationPipeline
 
-    from hf_paged.integration.pipeline_stream import streaming_class
+    from hf_paged.integration.pipeline.streaming import streaming_class
 
     if cls is None:
         cls = TextGenerationPipeline
@@ -223,3 +225,6 @@ def _device_name(device) -> str:
     if isinstance(device, int) and not isinstance(device, bool):
         return "cpu" if device < 0 else f"cuda:{device}"
     return str(torch.device(device))
+
+
+hooks.module_ready(__name__)  # an install hooks deferred while this module executed

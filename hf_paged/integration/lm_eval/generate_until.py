@@ -1,4 +1,4 @@
-"""HFLM.generate_until on the paged engine (see ``lm_eval.py`` for when it is used).
+"""HFLM.generate_until on the paged engine (see ``install.py`` for when it is used).
 
 Stock (``lm_eval/models/huggingface.py``) sorts the requests by context length, groups them by
 gen_kwargs, tokenizes each batch with ``tok_batch_encode`` (left padding, left truncation to
@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest
 from hf_paged.engine.stop import StopTextFilter, text_filter
-from hf_paged.integration.lm_eval import NotServed, engine_for, run_requests
-from hf_paged.integration.prepare import PagedFallback, prepare_call
-from hf_paged.integration.sampling import native_plan
+from hf_paged.integration import paged_call
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 
 
 class UntilMatcher:
@@ -68,20 +67,20 @@ class _Row:
     context: str
     gen_kwargs: dict  # as the request gave them (the cache key)
     until: list[str]  # stop strings, EOS text included
+    stops: tuple[str, ...]  # the non-empty ones, matched during generation
     prompt: list[int]
-    params: SamplingParams
-    matcher: UntilMatcher | None  # for params.stop
+    kwargs: dict  # the generate keywords stock's HFLM._model_generate would pass for the row
+    max_gen_toks: int
 
 
 def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     """The generated strings, in request order.
 
     Raises:
-        NotServed: before anything runs, when a request needs stock ``generate``.
+        PagedFallback: before anything runs, when a request needs stock ``generate``.
     """
     from lm_eval.models.utils import Collator, postprocess_generated_text
 
-    engine = engine_for(lm, lm.max_length + 1)
     re_ords = Collator(
         [req.args for req in requests],
         sort_fn=lambda req: (-len(lm.tok_encode(req[0])), req[0]),
@@ -90,16 +89,16 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     )
     batch_size = lm.batch_size if isinstance(lm.batch_size, int) else 1
     rows: list[_Row] = []
-    plans: dict = {}
-    filters: dict = {}  # stop strings -> StopTextFilter, shared by their rows
     for chunk in re_ords.get_batched(n=batch_size, batch_fn=None):
-        rows.extend(_rows(lm, engine, chunk, plans, filters))
-    outs = run_requests(
-        engine,
-        [EngineRequest(r.prompt, r.params, stop_strings=r.matcher) for r in rows],
-        "Running generate_until requests (paged)",
-        disable_tqdm or lm.rank != 0,
-    )
+        rows.extend(_rows(lm, chunk))
+    need = max(len(r.prompt) + r.max_gen_toks for r in rows)
+    with owner_for(lm, need).hold() as held:
+        engine = held.get()
+        requests = _requests(lm, engine.runtime, rows)
+        outs = run_requests(
+            engine, requests, "Running generate_until requests (paged)",
+            disable_tqdm or lm.rank != 0,
+        )  # fmt: skip
     think = lm.think_end_token
     res = []
     for row, out in zip(rows, outs, strict=True):
@@ -119,8 +118,8 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     return re_ords.get_original(res)
 
 
-def _rows(lm, engine, chunk, plans: dict, filters: dict) -> list[_Row]:
-    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts and params."""
+def _rows(lm, chunk) -> list[_Row]:
+    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
     contexts, all_gen_kwargs = zip(*chunk, strict=True)
@@ -136,56 +135,56 @@ def _rows(lm, engine, chunk, plans: dict, filters: dict) -> list[_Row]:
             f"max_length ({lm.max_length})"
         )
     if "max_length" in kwargs:
-        raise NotServed("max_length", "max_length in gen_kwargs counts from the padded batch")
+        raise PagedFallback("max_length", "max_length in gen_kwargs counts from the padded batch")
+    _model_generate_kwargs(kwargs)
     stops = tuple(s for s in until if s)  # stock skips '' when it trims
-    lookback = {s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in stops}
     ids, mask = lm.tok_batch_encode(
         list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
     )  # [B, W] left padded
-    if stops and stops not in filters:
-        filters[stops] = text_filter(lm.tokenizer, stops)
-    rows = []
-    for context, row, keep in zip(contexts, ids, mask.bool(), strict=True):
-        prompt = row[keep].tolist()
-        params = _params(lm, engine, prompt, dict(kwargs), max_gen_toks, plans)
-        matcher = None
-        if stops:
-            params = dataclasses.replace(params, stop=stops)
-            matcher = UntilMatcher(lm.tokenizer, lookback, len(prompt), filters[stops])
-        rows.append(_Row(context, gen_kwargs, until, prompt, params, matcher))
-    return rows
+    return [
+        _Row(context, gen_kwargs, until, stops, row[keep].tolist(), kwargs, max_gen_toks)
+        for context, row, keep in zip(contexts, ids, mask.bool(), strict=True)
+    ]
 
 
-def _params(lm, engine, prompt, kwargs: dict, max_gen_toks: int, plans: dict) -> SamplingParams:
-    """The engine's SamplingParams for stock's ``model.generate`` call on this row."""
-    # HFLM._model_generate's handling of temperature / do_sample
+def _model_generate_kwargs(kwargs: dict) -> None:
+    """HFLM._model_generate's handling of temperature / do_sample, in place."""
     kwargs["temperature"] = kwargs.get("temperature", 0.0)
     do_sample = kwargs.get("do_sample")
     if kwargs["temperature"] == 0.0 and do_sample is None:
         kwargs["do_sample"] = do_sample = False
     if do_sample is False and kwargs["temperature"] == 0.0:
         kwargs.pop("temperature")
-    # the plan depends on the prompt's length only through an absolute min_length
-    absolute = kwargs.get("min_length") or lm.model.generation_config.min_length
-    key = (len(prompt) if absolute else None, max_gen_toks, repr(sorted(kwargs.items())))
-    plan = plans.get(key)
-    if plan is None:
-        ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
-        try:
-            call = prepare_call(
-                lm.model,
-                inputs=ids,
-                attention_mask=torch.ones_like(ids),
-                max_length=len(prompt) + max_gen_toks,
-                pad_token_id=lm.tokenizer.pad_token_id,
-                use_cache=True,
-                **kwargs,
-            )
-        except PagedFallback as fb:
-            raise NotServed(fb.reason, fb.detail) from None
-        plan = native_plan(call, engine.runtime.vocab_size)
-        if plan is None:
-            raise NotServed("logits_processor", "the call needs processors the engine lacks")
-        plans[key] = plan
-    seed = int(torch.randint(0, 2**62, ())) if plan.temperature > 0 else None
-    return plan.sampling_params(seed)
+
+
+def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
+    """One engine request per row: stock's ``model.generate`` call on the row alone, planned
+    (``paged_call.plan_generate``, one preparation per distinct set of options), with lm-eval's
+    stop rule as its stop-string matcher."""
+    plans = paged_call.PlanCache()
+    filters: dict = {}  # stop strings -> StopTextFilter, shared by their rows
+    lookback: dict = {}  # stop strings -> {stop: window}
+    out = []
+    for row in rows:
+        ids = torch.tensor([row.prompt], dtype=torch.long, device=lm.device)
+        call = paged_call.plan_generate(lm.model, runtime, {
+            "input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "max_length": len(row.prompt) + row.max_gen_toks,
+            "pad_token_id": lm.tokenizer.pad_token_id, "use_cache": True, **row.kwargs,
+        }, plans)  # fmt: skip
+        if not isinstance(call, paged_call.NativeCall):
+            raise PagedFallback("logits_processor", "the call needs processors the engine lacks")
+        req = call.requests[0]
+        if row.stops:
+            if row.stops not in filters:
+                filters[row.stops] = text_filter(lm.tokenizer, row.stops)
+                lookback[row.stops] = {
+                    s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in row.stops
+                }
+            matcher = UntilMatcher(lm.tokenizer, lookback[row.stops], len(row.prompt),
+                                   filters[row.stops])  # fmt: skip
+            req = EngineRequest(req.prompt_token_ids,
+                                dataclasses.replace(req.params, stop=row.stops),
+                                stop_strings=matcher)  # fmt: skip
+        out.append(req)
+    return out

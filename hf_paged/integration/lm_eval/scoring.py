@@ -3,9 +3,11 @@ out: no lm_eval import, no engine.
 
 Loglikelihood (HFLM ``_loglikelihood_tokens``): stock runs ``model(inp)`` on
 ``inp = (context + continuation)[-(max_length + 1):][:-1]`` and scores the last
-``len(continuation)`` rows. The engine gets the whole window (``inp`` plus the last continuation
-token) with ``prompt_logprobs=0`` starting at the first continuation token; the result is the sum
-of those tokens' logprobs and whether each was the argmax (``rank == 1``).
+``len(continuation)`` rows. The engine gets exactly ``inp`` as the prompt, with
+``prompt_logprobs=0`` from the first continuation token and the last continuation token as
+``prompt_logprobs_next`` (scored from the last position's logits), so no position beyond stock's
+``max_length`` is ever fed; the result is the sum of those tokens' logprobs and whether each was
+the argmax (``rank == 1``).
 
 Prefix sharing: the continuations of one context share its KV through the prefix cache. The
 scheduler holds a continuation back while another one of the same context is still prefilling
@@ -21,7 +23,8 @@ from hf_paged.engine.outputs import RequestOutput
 def score_window(
     context_enc: list[int], continuation_enc: list[int], max_length: int
 ) -> tuple[list[int], int]:
-    """(engine prompt, index of its first scored token) for one loglikelihood request.
+    """(scored window, index of its first scored token) for one loglikelihood request; the
+    engine's prompt is the window without its last token (``score_params``).
 
     Raises:
         ValueError: an empty context or continuation, or a continuation over ``max_length``
@@ -41,14 +44,16 @@ def score_window(
     return window, len(window) - len(continuation_enc)
 
 
-def score_params(start: int) -> SamplingParams:
-    """One greedy token (discarded) after scoring ``prompt[start:]``."""
+def score_params(window: list[int], start: int) -> SamplingParams:
+    """For the prompt ``window[:-1]``: score ``window[start:]`` (the last token as
+    ``prompt_logprobs_next``), then one greedy token (discarded)."""
     return SamplingParams(
         temperature=0.0,
         max_tokens=1,
         ignore_eos=True,
         prompt_logprobs=0,
         prompt_logprobs_start=start,
+        prompt_logprobs_next=window[-1],
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lm_eval.models.huggingface import HFLM
 
-from hf_paged.integration.lm_eval import install_lm_eval
+from hf_paged.integration.lm_eval.install import install_lm_eval
 
 install_lm_eval()  # HFLM's methods are the paged ones from here on
 
