@@ -103,10 +103,11 @@ def ngram_proposer(plan: SpecPlan):
 
 
 @contextlib.contextmanager
-def draft_proposer(plan: SpecPlan, assistant, engine):
-    """A ``DraftModelProposer`` over the assistant's engine, held for the block: an HF model's
-    own paged engine (``dispatch.hold_engine``: its ``configure`` options apply; on a GPU give
-    the two engines memory shares that fit together), or a ``PagedModelForCausalLM``'s.
+def draft_proposer(plan: SpecPlan, assistant, engine, hold_engine=None):
+    """A ``DraftModelProposer`` over the assistant's engine, held for the block: a
+    ``PagedModelForCausalLM``'s, or an HF model's own paged engine through ``hold_engine``
+    (``dispatch.hold_engine``: its ``configure`` options apply; on a GPU give the two engines
+    memory shares that fit together).
 
     Raises:
         PagedFallback: the engine cannot serve the assistant (reason ``assistant_...``), it is
@@ -115,13 +116,15 @@ def draft_proposer(plan: SpecPlan, assistant, engine):
     import torch
 
     from hf_paged.engine.proposers import DraftModelProposer
-    from hf_paged.integration import dispatch, servable
+    from hf_paged.integration import servable
 
     if isinstance(assistant, torch.nn.Module):
         fb = servable.model_reason(assistant)
         if fb is not None:
             raise PagedFallback(f"assistant_{fb.reason}", f"the assistant: {fb.detail}")
-        held = dispatch.hold_engine(assistant)
+        if hold_engine is None:
+            raise PagedFallback("assistant_model", "this caller holds no engine for an HF model")
+        held = hold_engine(assistant)
     elif callable(getattr(assistant, "hold_engine", None)):  # a PagedModelForCausalLM
         held = assistant.hold_engine()
     else:

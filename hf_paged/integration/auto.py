@@ -277,11 +277,14 @@ class PagedModelForCausalLM:
             raise _unsupported(fb)
         if inputs is None and kwargs.get("input_ids") is None:
             inputs = self._bos_inputs(generation_config, kwargs)
+        from hf_paged.integration.dispatch import hold_engine  # an HF model as the assistant
+
         try:
             with self._owner.hold():
                 return paged_call.generate_paged(
                     self._skeleton,
                     lambda: self.engine,
+                    hold_engine,
                     inputs=inputs,
                     assistant_model=assistant_model,
                     generation_config=generation_config,

@@ -205,7 +205,9 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
         forwarded = {k: v for k, v in {**named, **extra}.items() if k not in NOT_FORWARDED}
         try:
             with engine_owner.owner_of(model, _build).hold() as held:
-                return paged_call.generate_paged(model, lambda: held.get(paged_config), **forwarded)
+                return paged_call.generate_paged(
+                    model, lambda: held.get(paged_config), hold_engine, **forwarded
+                )
         except PagedFallback as e:
             fb = e
     return call_stock(original, model, args, kwargs, fb)

@@ -36,13 +36,15 @@ from hf_paged.integration.plan import NativeCall, NativePlan, plan_call
 from hf_paged.integration.prepare import PreparedCall, prepare_call
 
 
-def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
+def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None, **generate_kwargs):
     """Run one ``generate`` call (stock's arguments, bound by name) on the engine.
 
     Args:
         model: what stock's preparation runs on (the HF model, or a meta-device skeleton).
         get_engine: builds or returns the engine (called once the call is prepared, so a call
             stock rejects builds nothing).
+        hold_assistant: ``HF model -> context manager yielding its engine`` (the dispatcher's
+            ``hold_engine``), for an ``assistant_model`` that is an HF model.
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
@@ -60,7 +62,7 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
             with contextlib.ExitStack() as stack:
                 if spec is not None and spec.kind == "draft":
                     proposer = stack.enter_context(
-                        draft_proposer(spec, call.assistant_model, engine)
+                        draft_proposer(spec, call.assistant_model, engine, hold_assistant)
                     )
                     for r in native.requests:
                         r.proposer = proposer
