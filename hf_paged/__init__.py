@@ -30,6 +30,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SamplingParams": ("hf_paged.config", "SamplingParams"),
     "RequestOutput": ("hf_paged.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("hf_paged.engine.outputs", "CompletionOutput"),
+    "NgramProposer": ("hf_paged.engine.proposers", "NgramProposer"),
+    "DraftModelProposer": ("hf_paged.engine.proposers", "DraftModelProposer"),
     "AutoPagedModelForCausalLM": ("hf_paged.integration.auto", "AutoPagedModelForCausalLM"),
     "PagedModelForCausalLM": ("hf_paged.integration.auto", "PagedModelForCausalLM"),
     "PagedFallbackWarning": ("hf_paged.integration.fallback", "PagedFallbackWarning"),

@@ -72,6 +72,7 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        proposer=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order.
 
@@ -80,6 +81,9 @@ class LLM:
                 2-D tensor is a batch of equal-length prompts.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar over generated tokens (of the most requested).
+            proposer: speculative decoding for every prompt (``hf_paged.engine.proposers``:
+                ``NgramProposer`` or ``DraftModelProposer``); the outputs are what they are
+                without it (greedy: the same tokens; sampling: the same distribution).
 
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
@@ -87,9 +91,9 @@ class LLM:
         """
         with self._owner.hold() as held:
             held.get()  # rebuilt first when an in-memory model's weights changed
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, proposer)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None):
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -108,7 +112,7 @@ class LLM:
                     f"sampling_params[{i}]={sp!r} is not allowed: must be a SamplingParams"
                 )
         # validate everything before queueing
-        requests = [EngineRequest(ids, sp, text) for (text, ids), sp in
+        requests = [EngineRequest(ids, sp, text, proposer=proposer) for (text, ids), sp in
                     zip(map(self._encode, prompts), params)]  # fmt: skip
         total = sum(budget(r.params) for r in requests)
         bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)

@@ -8,13 +8,20 @@ steps; see ``request.py``), which abort and drain what is in flight when the cal
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
-``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``.
+``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
+``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
+
+Speculative decoding: a request added with a ``proposer`` (``proposers.py``) verifies several
+proposed tokens per step in one forward pass and keeps what the model agrees with
+(``spec_decode.py``); its output is what it would be without the proposer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from itertools import count
+
+import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.block_manager import BlockManager
@@ -27,6 +34,7 @@ from hf_paged.engine.request_state import RequestState, RequestTable
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.spec_decode import SpecDecoder, check_proposer
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop import StopStrings, StopStringsCache
@@ -76,7 +84,12 @@ class LLMEngine:
             OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
         )
         self._stop_matchers = StopStringsCache()
-        self._stepper = Stepper(self, self._overlap)
+        spec_generator = torch.Generator(device=self.runtime.device)
+        spec_generator.manual_seed(self.config.seed + 1)  # not the sampler's: its own stream
+        self.spec = SpecDecoder(
+            self.requests, self.runtime.max_model_len, self.runtime.vocab_size, spec_generator
+        )
+        self._stepper = Stepper(self, self._overlap, self.spec)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -95,12 +108,15 @@ class LLMEngine:
         prompt: str | None = None,
         external_sampling: bool = False,
         stop_strings: StopStrings | None = None,
+        proposer=None,
     ) -> int | str:
         """Queue a request; returns its id.
 
         Args:
             stop_strings: a matcher for ``params.stop`` built with the caller's tokenizer;
                 None = built from the engine's tokenizer.
+            proposer: proposes speculative tokens for it (``NgramProposer``,
+                ``DraftModelProposer``); None = one token per step.
 
         Raises:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
@@ -118,11 +134,19 @@ class LLMEngine:
             )
         if external_sampling and params.n != 1:
             raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+        if proposer is not None:
+            check_proposer(proposer)
+            if external_sampling:
+                raise ValueError(
+                    "proposer=... is not allowed with external_sampling=True: the caller samples "
+                    "each token itself"
+                )
         matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
         rid = next(self._ids) if request_id is None else request_id
         req = RequestState.build(
-            rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher
-        )
+            rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher,
+            proposer,
+        )  # fmt: skip
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -160,6 +184,44 @@ class LLMEngine:
         else:
             self.scheduler.running.append(seq)
 
+    def awaits_token(self, request_id) -> bool:
+        """External sampling: the request is paused with its next-token logits handed out."""
+        req = self.requests.by_id.get(request_id)
+        return req is not None and req.seqs[0].seq_id in self._paused
+
+    def reset_tokens(self, request_id, token_ids: list[int]) -> None:
+        """External sampling: make the request's sequence hold exactly ``token_ids`` (its
+        prompt first). The KV of the longest common prefix is kept (but for the last token,
+        which is computed again so that the next step returns the logits after it), the rest
+        is rolled back; the request runs again and pauses with those logits.
+
+        Raises:
+            ValueError: not an open external request, ``token_ids`` does not start with its
+                prompt, or is as long as ``max_model_len``.
+        """
+        req = self.requests.by_id.get(request_id)
+        if req is None or not req.external or req.seqs[0].is_finished:
+            raise ValueError(f"request_id={request_id!r} is not an open external-sampling request")
+        seq, ids = req.seqs[0], list(token_ids)
+        if ids[: seq.num_prompt_tokens] != req.prompt_token_ids:
+            raise ValueError(
+                f"token_ids is not allowed for request_id={request_id!r}: must start with its "
+                f"prompt ({seq.num_prompt_tokens} tokens)"
+            )
+        if len(ids) >= self.runtime.max_model_len:
+            raise ValueError(
+                f"token_ids of {len(ids)} tokens is not allowed: must be < max_model_len="
+                f"{self.runtime.max_model_len}"
+            )
+        common = seq.num_prompt_tokens
+        limit = min(len(seq), len(ids))
+        while common < limit and seq.token_ids[common] == ids[common]:
+            common += 1
+        self.scheduler.rollback(seq, common, num_computed=min(common, len(ids) - 1))
+        seq.token_ids.extend(ids[common:])
+        if self._paused.pop(seq.seq_id, None) is not None:
+            self.scheduler.running.append(seq)  # a preempted one stays in ``waiting``
+
     # ---- driving requests ---------------------------------------------------------------
 
     def request_group(self) -> RequestGroup:
@@ -188,6 +250,8 @@ class LLMEngine:
             # a synchronous step needs every token on the host
             self._stepper.apply_resolved(self._overlap.drain())
         with self.profile.section("schedule"):
+            if self.requests.num_spec:  # such requests step synchronously: tokens on the host
+                self.spec.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             while out.is_empty and self._paused and self.scheduler.waiting:
                 self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
@@ -212,6 +276,8 @@ class LLMEngine:
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
+        if not seq.is_finished:
+            self.spec.release(seq)
         self.scheduler.finish(seq, reason)
         self.requests.mark_finished(seq)
 
@@ -242,6 +308,10 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
             "num_held_back": self.scheduler.num_held_back,  # waits for a prefix being prefilled
+            "spec_num_chunks": self.spec.num_spec_chunks,  # chunks that verified proposals
+            "spec_num_draft_tokens": self.spec.num_draft_tokens,
+            "spec_num_accepted_tokens": self.spec.num_accepted_tokens,
+            "spec_acceptance_rate": self.spec.acceptance_rate,
             **self._profile_stats(),
         }
 

@@ -283,8 +283,9 @@ class ModelRunner:
     # ---- per step -----------------------------------------------------------------------
 
     def prepare_prefill(self, inp: ModelInput):
-        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, and decodes).
-        Returns (input_ids [T], positions [T], metadata, logits_indices [N_sample])."""
+        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, decodes, and
+        chunks verifying speculative tokens). Returns (input_ids [T], positions [T], metadata,
+        logits_indices [N_rows]: each sampling chunk's last ``num_logits`` positions)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -300,7 +301,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(c.start_pos + n)
             if c.sample:
-                logits_idx.append(cu[-1] - 1)
+                logits_idx.extend(range(cu[-1] - c.num_logits, cu[-1]))
         t = len(input_ids)
         # one host buffer, one copy: [input_ids | positions | slots | logits_idx]
         host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
@@ -405,8 +406,9 @@ class ModelRunner:
         sampling: SamplingMetadata | None = None,
         external_rows: tuple[int, ...] = (),
     ) -> RunnerOutput | None:
-        """One engine step. Rank 0 samples the rows not in ``external_rows`` (indices among
-        the chunks with ``sample=True``) and returns the external rows' raw logits."""
+        """One engine step. Rank 0 samples the logits rows not in ``external_rows`` (indices
+        among all logits rows, ``ScheduledChunk.num_logits`` per sampling chunk) with
+        ``sampling`` (one row each, in order) and returns the external rows' raw logits."""
         prof = self.profile
         with prof.section("prepare"):
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill

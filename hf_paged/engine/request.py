@@ -30,6 +30,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None  # the text the ids came from, echoed in the RequestOutput
     stop_strings: object | None = None  # StopStrings for ``params.stop``; None = engine's own
+    proposer: object | None = None  # speculative tokens' proposer (``engine/proposers.py``)
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
@@ -105,6 +106,8 @@ class RequestGroup:
             kwargs["prompt"] = request.prompt
         if request.stop_strings is not None:
             kwargs["stop_strings"] = request.stop_strings
+        if request.proposer is not None:
+            kwargs["proposer"] = request.proposer
         rid = self.engine.add_request(request.prompt_token_ids, request.params, **kwargs)
         self.rids.append(rid)
         self._open.add(rid)

@@ -10,9 +10,10 @@ HF-side preparation of a call (defaults, validation, logits processors, stopping
 a skeleton of the HF model built on the ``meta`` device, which holds no weights.
 
 ``generate`` runs the same code as ``model.generate(..., backend="paged")``
-(``paged_call.generate_paged``). What that code cannot reproduce (beam search,
-assisted decoding, a passed-in cache ...) raises ``NotImplementedError``: there is no stock model
-to fall back on. There is no forward pass either: calling the object raises.
+(``paged_call.generate_paged``), prompt lookup and an ``assistant_model`` (an HF model or another
+``PagedModelForCausalLM``) included. What that code cannot reproduce (beam search, a passed-in
+cache ...) raises ``NotImplementedError``: there is no stock model to fall back on. There is no
+forward pass either: calling the object raises.
 """
 
 from __future__ import annotations
@@ -269,17 +270,23 @@ class PagedModelForCausalLM:
             "negative_prompt_attention_mask": negative_prompt_attention_mask,
             "custom_generate": custom_generate,
         }
+        if assistant_model is self:  # its engine is the one drafting would need
+            raise _unsupported(PagedFallback("assisted_self", "assistant_model is this model"))
         fb = servable.precheck(self._skeleton, named, kwargs, model_checks=False)
         if fb is not None:
             raise _unsupported(fb)
         if inputs is None and kwargs.get("input_ids") is None:
             inputs = self._bos_inputs(generation_config, kwargs)
+        from hf_paged.integration.dispatch import hold_engine  # an HF model as the assistant
+
         try:
             with self._owner.hold():
                 return paged_call.generate_paged(
                     self._skeleton,
                     lambda: self.engine,
+                    hold_engine,
                     inputs=inputs,
+                    assistant_model=assistant_model,
                     generation_config=generation_config,
                     logits_processor=logits_processor,
                     stopping_criteria=stopping_criteria,

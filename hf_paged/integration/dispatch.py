@@ -36,8 +36,8 @@ ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
 # keywords the dispatcher checks (servable.precheck) or stock alone reads: never forwarded
 NOT_FORWARDED = (
-    "assistant_model", "custom_generate", "synced_gpus", "negative_prompt_ids",
-    "negative_prompt_attention_mask", "trust_remote_code",
+    "custom_generate", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "trust_remote_code",
 )  # fmt: skip
 
 _original_generate = None  # GenerationMixin.generate as found by install()
@@ -206,7 +206,7 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
         try:
             with engine_owner.owner_of(model, _build).hold() as held:
                 return paged_call.generate_paged(
-                    model, lambda: held.get(paged_config), **forwarded
+                    model, lambda: held.get(paged_config), hold_engine, **forwarded
                 )
         except PagedFallback as e:
             fb = e

@@ -12,6 +12,9 @@ the processors it builds are stock's by construction. Then one of two paths:
   the caller observes nothing per step; each row is an ordinary engine request.
 * external (``external.py``): stock ``_sample``'s loop body on the engine's logits, step by step.
 
+An assisted call (``prompt_lookup_num_tokens``, ``assistant_model``) is a native call whose
+requests carry a proposer (``assisted.py``): the engine verifies several proposed tokens a step.
+
 Anything neither path can reproduce raises ``PagedFallback`` before a request is queued.
 
 ``PlanCache`` serves the many-prompt front ends: calls whose plan cannot depend on the prompt
@@ -20,23 +23,28 @@ beyond its length are prepared once per distinct set of options, not once per pr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
+from hf_paged.integration.assisted import draft_proposer, spec_plan
 from hf_paged.integration.external import run_external
+from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import NativeCall, NativePlan, plan_call
 from hf_paged.integration.prepare import PreparedCall, prepare_call
 
 
-def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
+def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None, **generate_kwargs):
     """Run one ``generate`` call (stock's arguments, bound by name) on the engine.
 
     Args:
         model: what stock's preparation runs on (the HF model, or a meta-device skeleton).
         get_engine: builds or returns the engine (called once the call is prepared, so a call
             stock rejects builds nothing).
+        hold_assistant: ``HF model -> context manager yielding its engine`` (the dispatcher's
+            ``hold_engine``), for an ``assistant_model`` that is an HF model.
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
@@ -46,11 +54,19 @@ def generate_paged(model, get_engine: Callable[[], object], **generate_kwargs):
         PagedFallback: before any request is queued.
     """
     call = prepare_call(model, **generate_kwargs)
+    spec = spec_plan(call) if call.assisted else None  # its fallbacks need no engine
     engine = get_engine()
-    native = plan_call(call, engine.runtime)
+    native = plan_call(call, engine.runtime, spec=spec)
     with torch.no_grad():
         if native is not None:
-            outs = engine.run(native.requests)
+            with contextlib.ExitStack() as stack:
+                if spec is not None and spec.kind == "draft":
+                    proposer = stack.enter_context(
+                        draft_proposer(spec, call.assistant_model, engine, hold_assistant)
+                    )
+                    for r in native.requests:
+                        r.proposer = proposer
+                outs = engine.run(native.requests)
             sequences, scores, logits = native.sequences([o.token_ids for o in outs]), None, None
         else:
             sequences, scores, logits = run_external(engine, call)
@@ -78,7 +94,12 @@ def plan_generate(model, runtime, generate_kwargs: dict, cache: PlanCache | None
         rows = NativeCall(ids, ids.tolist(), pad, plan)
         return plan_call(rows, runtime, plan)
     call = prepare_call(model, **generate_kwargs)
-    native = plan_call(call, runtime)
+    spec = spec_plan(call) if call.assisted else None
+    if spec is not None and spec.kind == "draft":
+        raise PagedFallback(
+            "assisted_rows", "an assistant model drafts for one generate call at a time"
+        )
+    native = plan_call(call, runtime, spec=spec)
     if native is None:
         return call
     if key is not None:

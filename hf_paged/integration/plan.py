@@ -14,6 +14,7 @@ No engine and no model here: plain objects in (HF's processors and criteria, the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest
 from hf_paged.engine.stop import StopStrings
+from hf_paged.integration.assisted import ngram_proposer
 from hf_paged.integration.fallback import PagedFallback
 
 _NEG_INF = float("-inf")
@@ -59,6 +61,8 @@ class NativePlan:
     # the call's StopStringCriteria (None: no stop strings); its engine matcher is
     # ``stop_strings``, built once when first asked for
     stop_criterion: StopStringCriteria | None = field(default=None, compare=False)
+    # assisted decoding: the proposer's plan (``assisted.SpecPlan``), None = none
+    spec: object | None = field(default=None, compare=False)
 
     @cached_property
     def stop_strings(self) -> StopStrings | None:
@@ -244,18 +248,28 @@ class NativeCall:
         return out
 
 
-def plan_call(call, runtime, plan: NativePlan | None = None) -> NativeCall | None:
+def plan_call(call, runtime, plan: NativePlan | None = None, spec=None) -> NativeCall | None:
     """The engine-native form of a prepared call (``prepare.PreparedCall``, or ``plan`` for rows
     whose preparation is known to give it), with its requests; None when it must sample
-    externally.
+    externally. ``spec``: an assisted call's proposer plan (``assisted.spec_plan``); prompt
+    lookup's proposer is attached to the requests here, a draft model's by the caller that holds
+    the draft engine (``paged_call.generate_paged``).
 
     Seeds for sampled rows are drawn now from torch's global RNG, as stock's sampling would.
 
     Raises:
-        PagedFallback: the engine would cut a row short, or (external) can't hold the batch.
+        PagedFallback: the engine would cut a row short, or (external) can't hold the batch, or
+            an assisted call needs processors the engine does not implement.
     """
     if plan is None:
         plan = native_plan(call, runtime.vocab_size)
+        if spec is not None:  # speculative steps serve native plans only
+            if plan is None:
+                raise PagedFallback(
+                    "assisted_processors", "assisted decoding with logits processors or "
+                    "stopping criteria the engine does not implement",
+                )  # fmt: skip
+            plan = dataclasses.replace(plan, spec=spec)
     check_fits(call.prompts, call.max_new_tokens if plan is None else plan.max_tokens, runtime,
                native=plan is not None)  # fmt: skip
     if plan is None:
@@ -265,8 +279,10 @@ def plan_call(call, runtime, plan: NativePlan | None = None) -> NativeCall | Non
     seeds = torch.randint(0, 2**62, (n,)).tolist() if plan.temperature > 0 else [None] * n
     params = [plan.sampling_params(s) for s in seeds]
     matcher = plan.stop_strings
+    proposer = ngram_proposer(plan.spec) if plan.spec and plan.spec.kind == "ngram" else None
     requests = [
-        EngineRequest(p, sp, stop_strings=matcher) for p, sp in zip(call.prompts, params, strict=True)
+        EngineRequest(p, sp, stop_strings=matcher, proposer=proposer)
+        for p, sp in zip(call.prompts, params, strict=True)
     ]
     return NativeCall(call.input_ids, call.prompts, call.pad_token_id, plan, requests)
 

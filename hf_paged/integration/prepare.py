@@ -47,6 +47,8 @@ class PreparedCall:
     observed: bool  # the caller sees every step (so the engine must not sample on its own)
     max_new_tokens: int  # steps stock's loop runs at most (>= 1; a user MaxLengthCriteria wins)
     pad_token_id: int | None
+    assisted: bool = False  # assisted decoding (prompt lookup or an assistant model)
+    assistant_model: object | None = None
 
 
 def prepare_call(
@@ -57,6 +59,7 @@ def prepare_call(
     stopping_criteria=None,
     prefix_allowed_tokens_fn=None,
     streamer=None,
+    assistant_model=None,
     **kwargs,
 ) -> PreparedCall:
     """Stock ``generate``'s steps 1-8 for a decoder-only call, without running the model.
@@ -74,10 +77,12 @@ def prepare_call(
         for name in ("max_length", "min_length")
     }
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    _check_generation_config(gen)
+    mode = gen.get_generation_mode(assistant_model)
+    _check_generation_config(gen, mode)
     model._validate_model_kwargs(model_kwargs.copy())
-    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer)) if v}
-    model._validate_generation_mode(gen.get_generation_mode(None), gen, mode_kwargs)
+    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
+                                     ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
+    model._validate_generation_mode(mode, gen, mode_kwargs)
     inputs_tensor, mask = _prepare_prompt(model, gen, inputs, model_kwargs)
 
     input_ids, expanded = model._expand_inputs_for_generation(
@@ -133,6 +138,8 @@ def prepare_call(
         observed=bool(logits_processor) or user_criteria or streamer is not None or wants_scores,
         max_new_tokens=max(1, max_length - length),
         pad_token_id=None if pad is None else int(pad),
+        assisted=mode == GenerationMode.ASSISTED_GENERATION,
+        assistant_model=assistant_model,
     )
 
 
@@ -166,9 +173,9 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
     return inputs_tensor, mask
 
 
-def _check_generation_config(gen) -> None:
-    mode = gen.get_generation_mode(None)
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+def _check_generation_config(gen, mode) -> None:
+    served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+    if mode not in served + (GenerationMode.ASSISTED_GENERATION,):
         raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gen, flag, False):

@@ -13,7 +13,6 @@ from hf_paged.engine.runtime import quantization_reason
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.models import peft
 
-ASSISTED_KWARGS = ("assistant_tokenizer", "prompt_lookup_num_tokens", "assistant_early_exit")
 _CACHE_KWARGS = ("past_key_values", "cache", "cache_params")
 
 
@@ -38,12 +37,17 @@ def _call_reason(model, args: dict, kwargs: dict) -> PagedFallback | None:
         return PagedFallback("custom_generate", "custom_generate replaces the decoding loop")
     if getattr(model.config, "is_encoder_decoder", False):
         return PagedFallback("encoder_decoder", "the model is an encoder-decoder")
-    if args.get("assistant_model") is not None or any(
-        kwargs.get(k) is not None for k in ASSISTED_KWARGS
-    ):
+    # assisted decoding runs on the engine's speculative steps (``assisted.py``), but for these
+    if kwargs.get("assistant_tokenizer") is not None:
         return PagedFallback(
-            "assisted_generation", "assisted decoding needs a second model or lookup"
+            "universal_assisted", "assistant_tokenizer= drafts with another tokenizer"
         )
+    if kwargs.get("assistant_early_exit") is not None:
+        return PagedFallback(
+            "assistant_early_exit", "assistant_early_exit drafts with the model's own layers"
+        )
+    if args.get("assistant_model") is not None and args["assistant_model"] is model:
+        return PagedFallback("assisted_self", "assistant_model is the model itself")
     if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         return PagedFallback("past_key_values", "a cache was passed in")
     if args.get("synced_gpus"):

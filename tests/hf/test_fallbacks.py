@@ -21,7 +21,7 @@ from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
 from hf_paged.testing import build_hf_model, fallback_warnings, left_pad, make_prompts, right_pad
 from tests.hf.fake_engine import FakeEngine
-from tests.hf.recorders import RecordingProcessor
+from tests.hf.recorders import RecordingProcessor, RecordingStreamer
 
 IDS = torch.tensor([[5, 6, 7, 8]])
 
@@ -90,13 +90,15 @@ def _call_cases(llama):
             "beam_sample",
             lambda: dict(base, input_ids=IDS, num_beams=2, do_sample=True),
         ),
-        "assistant_model": (
-            "assisted_generation",
-            lambda: dict(base, input_ids=IDS, assistant_model=build_hf_model("llama", seed=1)),
+        "assistant_model_self": (
+            "assisted_self",
+            lambda: dict(base, input_ids=IDS, assistant_model=llama),
         ),
-        "prompt_lookup": (
-            "assisted_generation",
-            lambda: dict(base, input_ids=IDS, prompt_lookup_num_tokens=2),
+        "prompt_lookup_streamer": (
+            "assisted_observed",
+            lambda: dict(
+                base, input_ids=IDS, prompt_lookup_num_tokens=2, streamer=RecordingStreamer()
+            ),
         ),
         "custom_generate": (
             "custom_generate",

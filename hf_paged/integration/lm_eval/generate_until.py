@@ -179,8 +179,7 @@ def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
             if row.stops not in filters:
                 filters[row.stops] = text_filter(lm.tokenizer, row.stops)
                 lookback[row.stops] = {
-                    s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2
-                    for s in row.stops
+                    s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in row.stops
                 }
             matcher = UntilMatcher(lm.tokenizer, lookback[row.stops], len(row.prompt),
                                    filters[row.stops])  # fmt: skip
