@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.suite import REPO, TARGETS, Results, current_size, run_one
-
-# printable ASCII without "<" and ">": no text can spell a special token ("<s>", "</s>")
-CHARS = [chr(c) for c in range(32, 127) if chr(c) not in "<>"]
-
-
-def random_text(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(CHARS) for _ in range(n))
+from tests.clients.suite import REPO, TARGETS, Results, current_size, random_text, run_one
 
 
 def pytest_collection_modifyitems(config, items):

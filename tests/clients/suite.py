@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -28,6 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = Path(__file__).resolve().parent / "targets"
+
+# printable ASCII without "<" and ">": no text can spell a special token ("<s>", "</s>")
+CHARS = [chr(c) for c in range(32, 127) if chr(c) not in "<>"]
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(CHARS) for _ in range(n))
 
 
 @dataclass(frozen=True)

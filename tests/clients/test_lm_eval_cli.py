@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.conftest import random_text
-from tests.clients.suite import run_pair
+from tests.clients.suite import random_text, run_pair
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 pytestmark = pytest.mark.clients

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from tests.clients.conftest import random_text
-from tests.clients.suite import TARGETS, run_pair
+from tests.clients.suite import TARGETS, random_text, run_pair
 
 pytestmark = pytest.mark.clients
 
