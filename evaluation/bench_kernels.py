@@ -25,7 +25,7 @@ from hf_paged.kernels.kv_store import store_kvcache
 from hf_paged.kernels.paged_decode import default_num_partitions, paged_decode
 from hf_paged.kernels.paged_prefill import paged_prefill
 
-PEAK_GBPS = 4300.0  # H200 device-to-device copy, measured (DESIGN.md)
+PEAK_GBPS = 4300.0  # H200 device-to-device copy, measured on the GPU machine (2026-11-30)
 QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128)
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 HEAD_DIM_64 = dict(num_heads=32, num_kv_heads=8, head_dim=64)  # Llama-3.2-1B-like

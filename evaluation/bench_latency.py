@@ -1,4 +1,4 @@
-"""Single-stream decode latency, L1 (DESIGN.md "Benchmark workloads"), every system in one process.
+"""Single-stream decode latency, L1 (evaluation/README.md, "Workloads"), every system in one process.
 
 Llama-3-8B architecture (random bf16 weights), one 512-token prompt, 256 new tokens, greedy,
 batch 1. For each system: time to first token (TTFT), decode ms/token = (total - TTFT) / 255,
@@ -114,7 +114,7 @@ def _row(system: str, t0: float, token_times: list[float], t_end: float, n_new: 
 
 def _dispatcher_installed() -> bool:
     try:
-        from hf_paged.integration import is_installed
+        from hf_paged.integration.dispatch import is_installed
     except Exception:  # noqa: BLE001 - no dispatcher: plain stock generate
         return False
     return is_installed()

@@ -1,4 +1,4 @@
-"""Offline throughput, W1 / W2 (DESIGN.md "Benchmark workloads"), every system in one process.
+"""Offline throughput, W1 / W2 (evaluation/README.md, "Workloads"), every system in one process.
 
 Systems (rows), all greedy, EOS ignored, each request exactly its own number of new tokens:
 
@@ -111,7 +111,7 @@ def _result(system: str, wl: Workload, wall: float, outputs: list[list[int]], **
 
 def _dispatcher_installed() -> bool:
     try:
-        from hf_paged.integration import is_installed
+        from hf_paged.integration.dispatch import is_installed
     except Exception:  # noqa: BLE001 - no dispatcher: plain stock generate
         return False
     return is_installed()
@@ -255,7 +255,7 @@ def run_llm(source, wl: Workload, engine_kwargs: dict, device, system: str = "ll
 
 def run_dispatch(model, wl: Workload, batch_size: int, device, engine_kwargs: dict) -> dict:
     try:
-        from hf_paged.integration import PagedFallbackWarning, install, release
+        from hf_paged import PagedFallbackWarning, install, release
     except Exception as e:  # noqa: BLE001 - the row is optional
         log(f"dispatch: skipped, the dispatcher does not import: {e!r}")
         return {"system": "dispatch", "label": LABELS["dispatch"], "skipped": repr(e)}

@@ -1,4 +1,4 @@
-"""Benchmark workloads (DESIGN.md, "Benchmark workloads"): request sets, model architectures
+"""Benchmark workloads (evaluation/README.md, "Workloads"): request sets, model architectures
 with random weights, and the environment record every result file carries.
 
 * W1 / W2: 256 requests, prompt lengths U[100, 1024], output lengths U[100, 1024], prompt token
@@ -8,7 +8,9 @@ with random weights, and the environment record every result file carries.
   ``qwen3-0.6b`` (W1) = Qwen3-0.6B's config; ``llama3-8b`` (W2, L1) = Llama-3-8B's config with
   plain RoPE (``rope_theta`` 500000, no llama3 scaling, ``max_position_embeddings`` 8192), i.e.
   the original Llama-3-8B, not 3.1. No sequence here is longer than 2048 tokens, where the 3.1
-  scaling would change nothing anyway. ``tiny`` is a 2-layer model for CPU smoke runs.
+  scaling would change nothing anyway. ``llama3.2-1b`` = Llama-3.2-1B's shape with the same plain
+  RoPE (a draft model for the 8B). ``tiny`` is a 2-layer model for CPU smoke runs, ``tiny-llama``
+  a 1-layer draft for it.
 
 EOS/BOS are unset in the configs and generation configs (eos_token_id=None, pad_token_id=0), so
 stock ``generate`` never stops early and every system generates exactly the requested tokens.
@@ -120,6 +122,22 @@ def model_config(arch: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
             hidden_act="silu", mlp_bias=False, **common,
         )  # fmt: skip
+    if arch == "llama3.2-1b":  # Llama-3.2-1B's shape (the 8B's vocabulary, tied), plain RoPE
+        return LlamaConfig(
+            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+            tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+            hidden_act="silu", mlp_bias=False, **common,
+        )  # fmt: skip
+    if arch == "tiny-llama":  # a 1-layer llama with tiny's vocabulary (a draft for CPU smoke runs)
+        return LlamaConfig(
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+            max_position_embeddings=256, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            hidden_act="silu", mlp_bias=False, **common,
+        )  # fmt: skip
     if arch == "tiny":  # Qwen3-shaped (qk-norm, GQA, tied), 2 layers
         return Qwen3Config(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -128,7 +146,10 @@ def model_config(arch: str):
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
             hidden_act="silu", use_sliding_window=False, **common,
         )  # fmt: skip
-    raise ValueError(f"arch={arch!r} is not allowed: must be qwen3-0.6b, llama3-8b or tiny")
+    raise ValueError(
+        f"arch={arch!r} is not allowed: must be qwen3-0.6b, llama3-8b, llama3.2-1b, tiny or "
+        "tiny-llama"
+    )
 
 
 def build_random_model(

@@ -1,50 +1,84 @@
 """hf_paged: a paged-KV engine behind Hugging Face ``generate``.
 
-Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``.
+Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``, the HF-shaped
+``AutoPagedModelForCausalLM``, ``paged_generate_map`` (``Dataset.map``), ``shard_generate``
+(torchrun / SLURM slices), and the switches ``set_default_backend``, ``configure``, ``release``,
+``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` needs ``ray[data]``.
+
+``import hf_paged`` has one side effect: the ``generate`` and ``pipeline`` dispatchers are
+installed when transformers loads them (``integration/hooks.py``); they change nothing until a
+call passes ``backend="paged"``, ``set_default_backend("paged")`` is called or
+``HF_PAGED_BACKEND=paged`` is set. The names below load on first use, so importing the package
+(and the ``hf-paged`` command) costs no torch import.
 """
 
-from hf_paged.config import EngineConfig, SamplingParams
-from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.outputs import CompletionOutput, RequestOutput
-from hf_paged.integration import dispatch as _dispatch
-from hf_paged.integration import pipeline as _pipeline
-from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
-from hf_paged.integration.datasets_map import paged_generate_map
-from hf_paged.integration.dispatch import PagedFallbackWarning, configure, set_default_backend
-from hf_paged.llm import LLM
-from hf_paged.shard import shard_generate
+from __future__ import annotations
+
+import importlib
+
+from hf_paged import envs as _envs
+from hf_paged import timings as _timings
+from hf_paged.integration import hooks as _hooks
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute); imported on first access
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "LLM": ("hf_paged.llm", "LLM"),
+    "LLMEngine": ("hf_paged.engine.llm_engine", "LLMEngine"),
+    "EngineConfig": ("hf_paged.config", "EngineConfig"),
+    "SamplingParams": ("hf_paged.config", "SamplingParams"),
+    "RequestOutput": ("hf_paged.engine.outputs", "RequestOutput"),
+    "CompletionOutput": ("hf_paged.engine.outputs", "CompletionOutput"),
+    "NgramProposer": ("hf_paged.engine.proposers", "NgramProposer"),
+    "DraftModelProposer": ("hf_paged.engine.proposers", "DraftModelProposer"),
+    "AutoPagedModelForCausalLM": ("hf_paged.integration.auto", "AutoPagedModelForCausalLM"),
+    "PagedModelForCausalLM": ("hf_paged.integration.auto", "PagedModelForCausalLM"),
+    "PagedFallbackWarning": ("hf_paged.integration.fallback", "PagedFallbackWarning"),
+    "paged_generate_map": ("hf_paged.integration.datasets_map", "paged_generate_map"),
+    "shard_generate": ("hf_paged.shard", "shard_generate"),
+    "configure": ("hf_paged.integration.dispatch", "configure"),
+    "release": ("hf_paged.integration.dispatch", "release"),
+    "set_default_backend": ("hf_paged.integration.dispatch", "set_default_backend"),
+    "get_default_backend": ("hf_paged.integration.dispatch", "get_default_backend"),
+}
+
+
+def __getattr__(name: str):
+    entry = _EXPORTS.get(name)
+    if entry is None:
+        raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")
+    value = getattr(importlib.import_module(entry[0]), entry[1])
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
 
 
 def install() -> None:
-    """Route ``generate`` / ``pipeline`` through the engine when asked (inert otherwise)."""
-    _dispatch.install()
-    _pipeline.install_pipeline()
+    """Route ``generate`` / ``pipeline`` through the engine when asked (inert otherwise); loads
+    transformers' generation and pipeline modules now."""
+    from hf_paged.integration import dispatch, pipeline
+
+    dispatch.install()
+    pipeline.install_pipeline()
 
 
 def uninstall() -> None:
     """Restore stock ``GenerationMixin.generate`` and ``transformers.pipeline``."""
-    _dispatch.uninstall()
-    _pipeline.uninstall_pipeline()
+    import sys
+
+    _hooks.cancel()
+    if "hf_paged.integration.dispatch" in sys.modules:
+        sys.modules["hf_paged.integration.dispatch"].uninstall()
+    if "hf_paged.integration.pipeline" in sys.modules:
+        sys.modules["hf_paged.integration.pipeline"].uninstall_pipeline()
 
 
-install()  # inert until asked: backend="paged", set_default_backend or HF_PAGED_BACKEND
+_envs.warn_unknown()  # a mistyped HF_PAGED_* variable is said now, not at the first engine
+_hooks.install_on_import()
+_timings.install()  # inert unless HF_PAGED_TIMINGS names a file
 
-__version__ = "0.1.0"
-
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "EngineConfig",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "AutoPagedModelForCausalLM",
-    "PagedModelForCausalLM",
-    "PagedFallbackWarning",
-    "paged_generate_map",
-    "configure",
-    "install",
-    "set_default_backend",
-    "shard_generate",
-    "uninstall",
-]
+__all__ = [*_EXPORTS, "install", "uninstall", "__version__"]

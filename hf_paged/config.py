@@ -17,6 +17,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _MODEL_IMPLS = ("auto", "native", "generic")  # as hf_paged.models.registry.MODEL_IMPLS
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -119,6 +120,9 @@ class EngineConfig:
             heartbeat (its process stopped or wedged) before it is killed and the pending call
             raises ``EngineDeadError``; None = never. Default 45 (a stuck worker is reported
             within a minute; a long Triton compile, which holds the GIL, is not mistaken for one).
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3": K and V stored as
+            float8_e4m3fn (half the bytes of bf16, so twice the tokens), with a per-layer scale
+            of 1.0 (values clamped to +-448); attention reads them back in the model dtype.
     """
 
     max_num_seqs: int = 256
@@ -138,6 +142,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     model_impl: str = "auto"
     tp_heartbeat_timeout_s: float | None = 45.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -172,6 +177,8 @@ class EngineConfig:
             )
             if not ok:
                 raise _bad("device", dev, "None, 'cpu', 'cuda' or 'cuda:N'")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {list(_KV_CACHE_DTYPES)}")
         if self.model_impl not in _MODEL_IMPLS:
             raise _bad("model_impl", self.model_impl, f"one of {list(_MODEL_IMPLS)}")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
@@ -210,6 +217,10 @@ class SamplingParams:
         logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
         prompt_logprobs: None = none; k >= 0 = per prompt token, its logprob under the model
             given the tokens before it and the top k (``RequestOutput.prompt_logprobs``).
+        prompt_logprobs_next: also score this token id as the one after the prompt (from the
+            last prompt position's logits; hf_paged's extension): lm-eval's loglikelihood scores
+            a continuation's last token without a position of its own. Needs prompt_logprobs;
+            its entry is appended to ``RequestOutput.prompt_logprobs``.
         prompt_logprobs_start: first prompt position scored (>= 1; hf_paged's extension):
             earlier entries are None and their KV may come from the prefix cache.
         skip_special_tokens: drop special tokens when detokenizing ``.text``.
@@ -232,6 +243,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
+    prompt_logprobs_next: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -249,6 +261,13 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)
+        _check_int("prompt_logprobs_next", self.prompt_logprobs_next, 0, allow_none=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+        if self.prompt_logprobs_next is not None and self.prompt_logprobs is None:
+            raise _bad("prompt_logprobs_next", self.prompt_logprobs_next,
+                       "None unless prompt_logprobs is set")  # fmt: skip
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise _bad("stop_token_ids", ids, "a sequence of non-negative ints")

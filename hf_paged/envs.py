@@ -97,6 +97,14 @@ SWITCHES: dict[str, Switch] = {
             "Costs one clock read per section; off by default.",
         ),
         Switch(
+            "HF_PAGED_TIMINGS",
+            "",
+            "A file path: the process adds up wall-time spans (imports, model loading, each "
+            "engine start and its steps, every engine step) and appends them as one JSON line "
+            "to that file at exit (``hf_paged/timings.py``; the client suite's time "
+            "breakdown). Turns on ``HF_PAGED_PROFILE``'s step sections too. Empty = off.",
+        ),
+        Switch(
             "HF_PAGED_GIT_SHA",
             "",
             "Benchmarks only (``evaluation/``): the commit the tree was made from, recorded in "
@@ -156,7 +164,7 @@ def __getattr__(name: str):  # module attribute access: ``envs.HF_PAGED_PDL``
 
 def snapshot() -> dict[str, bool | str]:
     """Every switch's value now, ``{name: value}`` (reads and caches those not read yet)."""
-    _warn_unknown()
+    warn_unknown()
     return {name: get(name) for name in SWITCHES}
 
 
@@ -183,7 +191,7 @@ def reset(*names: str) -> None:
         globals().pop(name, None)
 
 
-def _warn_unknown() -> None:
+def warn_unknown() -> None:
     """Warn once per name about set ``HF_PAGED_*`` variables that are no switch (a typo, or a
     switch that no longer exists), with the nearest switch name."""
     for name in os.environ:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_paged.config import SamplingParams
+from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.request import EngineRequest, budget
+from hf_paged.integration.engine_owner import EngineOwner, fingerprint
 
 
 class LLM:
@@ -34,28 +35,23 @@ class LLM:
     """
 
     def __init__(self, model, tokenizer=None, **engine_kwargs):
-        self.engine = LLMEngine(model, engine_kwargs, tokenizer=tokenizer)
-        self._lock = threading.Lock()  # one generate at a time: the engine is not thread-safe
-        self._rebuild_args = (engine_kwargs, tokenizer)
-        self._source = None  # in-memory model: (weakref, fingerprint at build)
+        config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
         if isinstance(model, torch.nn.Module):
-            self._source = (weakref.ref(model), _fingerprint(model))
+            # an in-memory model: rebuilt when its weights change (fused copies would be stale);
+            # once the caller drops the model, the engine keeps what it was built with
+            ref = weakref.ref(model)
+            self._owner = EngineOwner(
+                lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer),
+                lambda: fingerprint(ref()) if ref() is not None else None,
+            )
+            self._owner.configure(config)
+            self._owner.get()  # built now: errors surface here, not at the first generate
+        else:
+            self._owner = EngineOwner(engine=LLMEngine(model, config, tokenizer=tokenizer))
 
-    def _refresh(self) -> None:
-        """Rebuild the engine when the in-memory model's weights changed since it was built: the
-        engine's fused copies (q/k/v, gate/up, merged adapters) would be stale."""
-        if self._source is None:
-            return
-        ref, built = self._source
-        model = ref()
-        if model is None:
-            return  # the caller dropped the model; the engine keeps what it was built with
-        now = _fingerprint(model)
-        if now != built:
-            engine_kwargs, tokenizer = self._rebuild_args
-            self.engine.close()
-            self.engine = LLMEngine(model, engine_kwargs, tokenizer=tokenizer)
-            self._source = (ref, now)
+    @property
+    def engine(self) -> LLMEngine:
+        return self._owner.engine
 
     @property
     def tokenizer(self):
@@ -76,6 +72,7 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        proposer=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order.
 
@@ -84,16 +81,19 @@ class LLM:
                 2-D tensor is a batch of equal-length prompts.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar over generated tokens (of the most requested).
+            proposer: speculative decoding for every prompt (``hf_paged.engine.proposers``:
+                ``NgramProposer`` or ``DraftModelProposer``); the outputs are what they are
+                without it (greedy: the same tokens; sampling: the same distribution).
 
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
                 then, and the engine stays usable.
         """
-        with self._lock:
-            self._refresh()
-            return self._generate(prompts, sampling_params, use_tqdm)
+        with self._owner.hold() as held:
+            held.get()  # rebuilt first when an in-memory model's weights changed
+            return self._generate(prompts, sampling_params, use_tqdm, proposer)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None):
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -112,7 +112,7 @@ class LLM:
                     f"sampling_params[{i}]={sp!r} is not allowed: must be a SamplingParams"
                 )
         # validate everything before queueing
-        requests = [EngineRequest(ids, sp, text) for (text, ids), sp in
+        requests = [EngineRequest(ids, sp, text, proposer=proposer) for (text, ids), sp in
                     zip(map(self._encode, prompts), params)]  # fmt: skip
         total = sum(budget(r.params) for r in requests)
         bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
@@ -132,19 +132,13 @@ class LLM:
         return self.engine.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        self.engine.close()
+        self._owner.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _fingerprint(model) -> tuple:
-    from hf_paged.integration.dispatch import _fingerprint as weights_fingerprint
-
-    return weights_fingerprint(model)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -163,4 +157,9 @@ def _as_prompt_list(prompts) -> list:
         isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)
     ):
         return [prompts]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+        raise TypeError(
+            f"prompts={prompts!r} is not allowed: give a string, a list of token ids, or a list "
+            "of either (a 2-D tensor is one prompt per row)"
+        )
     return list(prompts)

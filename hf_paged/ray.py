@@ -25,10 +25,16 @@ import uuid
 import warnings
 from dataclasses import dataclass
 
-import ray
+try:
+    import ray
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(
+        "hf_paged.ray needs ray[data]: pip install 'ray[data]' (from a clone of hf_paged: "
+        "pip install -e '.[ray]')"
+    ) from e
 
 from hf_paged.config import SamplingParams
-from hf_paged.rows import check_columns, generate_rows, resolve_sampling
+from hf_paged.rows import check_columns, check_unique_ids, generate_rows, resolve_sampling
 
 _NOT_FROM_FILES = (
     "output_path is set but the input is not read from files, so a rerun could not tell which "
@@ -85,7 +91,11 @@ def map_generate(
         model: checkpoint directory, readable from every node.
         column: prompt column (strings or lists of token ids).
         output_column: text column added; ``{output_column}_token_ids`` holds the ids.
-        id_column: unique row ids (int or str); each row's seed derives from its id.
+        id_column: unique row ids (int or str); each row's seed derives from its id, and
+            Ray's checkpoint knows finished rows by it. Repeated ids are refused before
+            anything runs: one pass reads the id column alone to the driver (in Arrow; a plan
+            with transforms before it runs them for that column too: ``materialize()`` first
+            to avoid it).
         sampling_params / generation_config: one of them (default greedy, 16 new tokens).
         tensor_parallel_size: ranks per engine; each actor reserves that many GPUs.
         num_replicas: actors in the pool (one engine each).
@@ -115,8 +125,8 @@ def map_generate(
         ``output_path``, runs the write and returns ``output_path``.
 
     Raises:
-        ValueError / TypeError: a bad argument (named), a missing column, or ``output_path``
-            with an input that is not read from files.
+        ValueError / TypeError: a bad argument (named), a missing column, repeated ids, or
+            ``output_path`` with an input that is not read from files.
     """
     _check_args(model, ds, output_path, num_replicas=num_replicas, batch_size=batch_size,
                 batches_in_flight=batches_in_flight, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
@@ -125,6 +135,7 @@ def map_generate(
     if output_path is not None and not _reads_files(ds):
         raise ValueError(_NOT_FROM_FILES)
     check_columns(ds.schema().names, column, id_column, output_column)
+    _check_unique_ids(ds, id_column)
     kwargs = dict(engine_kwargs or {})
     if kwargs.get("tensor_parallel_size", tensor_parallel_size) != tensor_parallel_size:
         raise ValueError(
@@ -169,6 +180,22 @@ def _check_args(model, ds, output_path, **counts: int) -> None:
         ds, (ray.data.Dataset, str, os.PathLike, list, tuple)
     ):
         raise ValueError(_NOT_FROM_FILES)
+
+
+def _check_unique_ids(ds, id_column: str) -> None:
+    """``rows.check_unique_ids`` over the whole id column, read alone, before anything runs:
+    a rerun's checkpoint filter would otherwise skip the unfinished twin of a committed id."""
+    import pyarrow as pa
+
+    chunks = []
+    ids_only = ds.select_columns([id_column])
+    for batch in ids_only.iter_batches(batch_size=None, batch_format="pyarrow"):
+        chunks.extend(batch.column(id_column).chunks)
+    try:
+        ids = pa.chunked_array(chunks) if chunks else []
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # blocks typed differently (ints and nulls)
+        ids = [v for c in chunks for v in c.to_pylist()]
+    check_unique_ids(ids, id_column)
 
 
 def _pool_args(num_replicas: int, batches_in_flight: int) -> dict:

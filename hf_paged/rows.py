@@ -193,3 +193,35 @@ def check_columns(names: Sequence[str], column: str, id_column: str, output_colu
             f"output_column={output_column!r} would overwrite existing column(s) {taken}: "
             "choose another output_column"
         )
+
+
+def check_unique_ids(ids, id_column: str, examples: int = 5) -> None:
+    """Refuse repeated row ids: they are the exactly-once and resume key (a row's seed, its
+    checkpoint entry), so a repeated id would be generated once per row and reported as one, and
+    a resume would skip the unfinished twin of a committed one.
+
+    Args:
+        ids: the whole id column: a pyarrow Array or ChunkedArray (hashed in Arrow, no Python
+            object per row) or a sequence.
+        id_column: its name, for the message.
+
+    Raises:
+        ValueError: naming the column, how many ids repeat, a few of them, and the fix.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not isinstance(ids, (pa.Array, pa.ChunkedArray)):
+        ids = pa.array(list(ids))
+    if pc.count_distinct(ids, mode="all").as_py() == len(ids):
+        return
+    counts = pc.value_counts(ids)
+    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+    shown = repeated.field("values")[:examples].to_pylist()
+    raise ValueError(
+        f"id_column={id_column!r} has {len(repeated)} id(s) that occur more than once in "
+        f"{len(ids)} rows, e.g. {shown}: row ids are the exactly-once and resume key (each "
+        "row's seed and its checkpoint entry), so repeated ones would be generated once per "
+        "row under one id, and a resumed run would skip the unfinished twin of a finished one. "
+        "Deduplicate the rows, or pass id_column= a column of unique values"
+    )

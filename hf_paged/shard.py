@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from hf_paged import envs
 from hf_paged.config import SamplingParams
-from hf_paged.rows import check_columns, generate_rows, resolve_sampling
+from hf_paged.rows import check_columns, check_unique_ids, generate_rows, resolve_sampling
 
 _LAYOUT = "_layout.json"
 
@@ -65,6 +65,7 @@ def shard_generate(
         column: prompt column (strings or lists of token ids).
         output_column: the text column written; ``{output_column}_token_ids`` holds the ids.
         id_column: unique row ids (int or str); each row's sampling seed derives from its id.
+            Repeated ids are refused (every rank hashes the whole column once, in Arrow).
         sampling_params / generation_config: one of them (default greedy, 16 new tokens).
         rank / world_size: default ``RANK`` / ``WORLD_SIZE`` from the environment, else 0 / 1.
         rows_per_part: rows per part file (the unit of resume).
@@ -78,8 +79,8 @@ def shard_generate(
         A ``ShardReport`` (parts written and skipped, rows generated).
 
     Raises:
-        ValueError: bad rank / world size / rows_per_part, a missing column, or an
-            ``output_dir`` written with another layout.
+        ValueError: bad rank / world size / rows_per_part, a missing column, repeated ids,
+            or an ``output_dir`` written with another layout.
     """
     rank, world_size = _rank_and_world(rank, world_size)
     if isinstance(rows_per_part, bool) or not isinstance(rows_per_part, int) or rows_per_part < 1:
@@ -87,6 +88,7 @@ def shard_generate(
     base = resolve_sampling(sampling_params, generation_config)
     ds = _load(dataset, id_column)
     check_columns(ds.column_names, column, id_column, output_column)
+    check_unique_ids(ds.with_format("arrow")[id_column], id_column)  # before anything is written
     os.makedirs(output_dir, exist_ok=True)
     _check_layout(output_dir, world_size, rows_per_part, len(ds))
     _remove_stale_temps(output_dir, rank)

@@ -88,6 +88,9 @@ class AttentionBackend(ABC):
         """Why this backend cannot compute a layer of ``spec`` (None = it can)."""
         return None
 
+    def release(self) -> None:  # noqa: B027 - optional hook: most backends keep nothing
+        """Drop the device tensors ``forward`` made and kept (the engine is closing)."""
+
     @abstractmethod
     def forward(
         self,

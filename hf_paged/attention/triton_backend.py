@@ -64,6 +64,9 @@ class TritonBackend(AttentionBackend):
         # so a captured decode graph reads a tensor whose address never changes
         self._alibi: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
+    def release(self) -> None:
+        self._alibi.clear()
+
     def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
         """Why the Triton kernels cannot compute a layer of ``spec`` (None = they can): they
         take K and V head dims up to 256, power-of-2 KV blocks of >= 8 tokens, GQA groups of up

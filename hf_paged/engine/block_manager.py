@@ -210,14 +210,41 @@ class BlockManager:
         which other sequences are likelier to share.
         """
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self._block_hash[block_id] is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free_ids.append(block_id)
+            self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> int:
+        """Keep the KV of ``seq``'s first ``num_tokens`` tokens only (rejected speculative
+        tokens, a rewritten tail): the blocks past them are released, tail first, and
+        ``seq.block_hashes`` keeps the full blocks before them.
+
+        The block the new end falls inside is written again later, so it must be ``seq``'s
+        alone: when it is in the prefix cache or shared, it is released too and the tokens it
+        held before the new end are to be recomputed (the return value is then its start).
+
+        Returns:
+            How many leading tokens keep their KV (``num_tokens`` or less); the caller sets
+            ``seq.num_computed_tokens`` to it.
+
+        Raises:
+            ValueError: ``num_tokens`` is negative.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} is not allowed: must be >= 0")
+        bs = self.block_size
+        keep = min(-(-num_tokens // bs), len(seq.block_table))
+        num_tokens = min(num_tokens, keep * bs)
+        if num_tokens % bs:
+            last = seq.block_table[keep - 1]
+            if self._block_hash[last] is not None or self.ref_counts[last] > 1:
+                keep -= 1
+                num_tokens = keep * bs
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        del seq.block_hashes[num_tokens // bs :]
+        return num_tokens
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
         """``dst`` takes every block of ``src`` (one more reference each) and its block hashes.
@@ -250,6 +277,15 @@ class BlockManager:
         while self._evictable:
             self._free_ids.append(self._evict_oldest())
         return n
+
+    def _release(self, block_id: int) -> None:
+        """One reference less; at 0 the block becomes evictable (cached) or free."""
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self._block_hash[block_id] is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free_ids.append(block_id)
 
     def _take_block(self) -> int:
         """A block with ref count 0, from the free list or by evicting the oldest cached one."""

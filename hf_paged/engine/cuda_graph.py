@@ -80,5 +80,13 @@ class DecodeGraphRunner:
         return self.outputs[:n]
 
     def release(self) -> None:
+        """Free the graphs (their private pool returns to the allocator once the last one is
+        reset), the static buffers, and the references to the runner and its KV cache."""
+        for graph in self.graphs.values():
+            graph.reset()
         self.graphs.clear()
         self.pool = None
+        self.outputs = None
+        self.input_ids = self.positions = self.slot_mapping = None
+        self.context_lens = self.block_tables = self.cu_seqlens_q = None
+        self.runner = None

@@ -6,6 +6,7 @@ multi-rank executor adds worker processes (see ``tp/workers.py``) that mirror ev
 
 from __future__ import annotations
 
+from hf_paged import timings
 from hf_paged.engine.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.runtime import RuntimeInfo
@@ -30,8 +31,10 @@ class LocalExecutor:
 
 
 def create_executor(runtime: RuntimeInfo, model):
-    if runtime.config.tensor_parallel_size == 1:
-        return LocalExecutor(runtime, model)
-    from hf_paged.engine.tp.executor import TPExecutor
+    """The engine's executor, its runner(s) built (timed as ``engine_start``, see timings)."""
+    with timings.span("engine_start"):
+        if runtime.config.tensor_parallel_size == 1:
+            return LocalExecutor(runtime, model)
+        from hf_paged.engine.tp.executor import TPExecutor
 
-    return TPExecutor(runtime, model)
+        return TPExecutor(runtime, model)

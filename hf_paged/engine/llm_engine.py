@@ -8,12 +8,15 @@ steps; see ``request.py``), which abort and drain what is in flight when the cal
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
-``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``.
-When waiting sequences need those blocks, the newest paused one is parked: its blocks are freed
-and it is recomputed only once its token arrives (recomputing it before would hand out the same
-logits again, and could starve the sequences still waiting for theirs).
-A beam-search request (``beam_search=True``) is external too; its sequences are its beams,
-and ``provide_beams`` replaces them all at once by forks of them (shared KV blocks).
+``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
+``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
+Paused sequences whose blocks waiting ones need are parked (``paused.py``). A beam-search
+request (``beam_search=True``) is external too: its sequences are its beams, and
+``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``beams.py``).
+
+Speculative decoding: a request added with a ``proposer`` (``proposers.py``) verifies several
+proposed tokens per step in one forward pass and keeps what the model agrees with
+(``spec_decode.py``); its output is what it would be without the proposer.
 """
 
 from __future__ import annotations
@@ -21,17 +24,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import count
 
+import torch
+
 from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.engine import beams, paused
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.overlap import OverlapStepper
-from hf_paged.engine.request import EngineRequest, RequestGroup, RequestStream, validate_prompt
+from hf_paged.engine.request import (
+    EngineRequest,
+    RequestGroup,
+    RequestStream,
+    check_request_args,
+    validate_prompt,
+)  # fmt: skip
 from hf_paged.engine.request import run as _run_requests
 from hf_paged.engine.request import stream as _stream_requests
 from hf_paged.engine.request_state import RequestState, RequestTable
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence, SequenceStatus
+from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.spec_decode import SpecDecoder, check_proposer
+from hf_paged.engine.stats import engine_stats
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop import StopStrings, StopStringsCache
@@ -59,7 +73,7 @@ class LLMEngine:
         self._ids = count()
         self.requests = RequestTable(self.runtime.device)
         # external seqs whose logits were handed out, waiting for their token; a parked one
-        # (preempted meanwhile) holds no blocks and has status WAITING
+        # (preempted meanwhile) holds no blocks and has status WAITING (``paused.py``)
         self._paused: dict[int, Sequence] = {}
         self.num_parked = 0  # paused sequences whose blocks were freed for waiting ones
         self._closed = False
@@ -84,7 +98,12 @@ class LLMEngine:
             OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
         )
         self._stop_matchers = StopStringsCache()
-        self._stepper = Stepper(self, self._overlap)
+        spec_generator = torch.Generator(device=self.runtime.device)
+        spec_generator.manual_seed(self.config.seed + 1)  # not the sampler's: its own stream
+        self.spec = SpecDecoder(
+            self.requests, self.runtime.max_model_len, self.runtime.vocab_size, spec_generator
+        )
+        self._stepper = Stepper(self, self._overlap, self.spec)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -103,6 +122,7 @@ class LLMEngine:
         prompt: str | None = None,
         external_sampling: bool = False,
         stop_strings: StopStrings | None = None,
+        proposer=None,
         beam_search: bool = False,
     ) -> int | str:
         """Queue a request; returns its id.
@@ -110,6 +130,8 @@ class LLMEngine:
         Args:
             stop_strings: a matcher for ``params.stop`` built with the caller's tokenizer;
                 None = built from the engine's tokenizer.
+            proposer: proposes speculative tokens for it (``NgramProposer``,
+                ``DraftModelProposer``); None = one token per step.
             beam_search: an external request whose beams the caller sets with
                 ``provide_beams``; ``step`` reports its logits per beam (``beam_logits``).
 
@@ -117,19 +139,19 @@ class LLMEngine:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
         """
         self._check_open()
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
+        if proposer is not None:
+            check_proposer(proposer)
+        params = check_request_args(
+            params, self.runtime.vocab_size, external_sampling=external_sampling,
+            proposer=proposer, beam_search=beam_search,
+        )  # fmt: skip
         ids = self.validate_prompt(prompt_token_ids)
-        if external_sampling and params.n != 1:
-            raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
-        if beam_search and not external_sampling:
-            raise ValueError("beam_search=True is not allowed without external_sampling=True")
         matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
         rid = next(self._ids) if request_id is None else request_id
         req = RequestState.build(
-            rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher
-        )
+            rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher,
+            proposer,
+        )  # fmt: skip
         req.beam_search = beam_search
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
@@ -151,90 +173,23 @@ class LLMEngine:
 
     def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
         """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
-        req = self.requests.by_id[request_id]
-        seq = req.seqs[0]
-        if seq.seq_id not in self._paused:
-            raise ValueError(f"request_id={request_id!r} is not waiting for a token")
-        if not (0 <= token_id < self.runtime.vocab_size):
-            raise ValueError(
-                f"token_id={token_id} is not allowed: must be in [0, {self.runtime.vocab_size})"
-            )
-        del self._paused[seq.seq_id]
-        seq.append_token(int(token_id))
-        if finish:
-            self.finish_sequence(seq, "stop")
-        elif len(seq) >= self.runtime.max_model_len:
-            self.finish_sequence(seq, "length")
-        else:
-            self._resume(seq)
+        paused.provide_token(self, request_id, token_id, finish)
 
-    def _resume(self, seq: Sequence) -> None:
-        """A paused sequence that got its token goes on: running, or (parked) recomputed."""
-        if seq.status == SequenceStatus.WAITING:
-            self.scheduler.add(seq)
-        else:
-            self.scheduler.running.append(seq)
+    def awaits_token(self, request_id) -> bool:
+        """External sampling: the request is paused with its next-token logits handed out."""
+        req = self.requests.by_id.get(request_id)
+        return req is not None and req.seqs[0].seq_id in self._paused
+
+    def reset_tokens(self, request_id, token_ids: list[int]) -> None:
+        """External sampling: the request's sequence holds exactly ``token_ids`` (``paused.py``)."""
+        paused.reset_tokens(self, request_id, token_ids)
 
     def provide_beams(self, request_ids: list, parents: list[list[int]],
                       token_ids: list[list[int]]) -> None:  # fmt: skip
-        """Beam search: give every request of ``request_ids`` its next beams, in one call.
-
-        Request ``request_ids[r]`` (added with ``beam_search=True``) has beams ``0..k-1``, each
-        waiting for a token. Afterwards it has ``len(parents[r])`` beams: beam ``j`` continues
-        old beam ``parents[r][j]`` with ``token_ids[r][j]``. The first child of a beam is that
-        beam itself, the others are forks sharing its KV blocks (a block is copied only when a
-        fork writes into it); a beam no new beam continues is freed. A parked beam's children
-        are recomputed (sharing the blocks still in the prefix cache).
-
-        Raises:
-            ValueError: a request that is not a beam search waiting for tokens, a bad parent
-                or token, or a beam that would reach ``max_model_len``; nothing changes then.
-        """
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"request_ids={list(request_ids)} is not allowed: ids must differ")
-        plans = [self._check_beams(*a) for a in zip(request_ids, parents, token_ids, strict=True)]
-        for req, par, toks in plans:
-            self._reseat_beams(req, par, toks)
-
-    def _check_beams(self, request_id, parents, token_ids):
-        req = self.requests.by_id.get(request_id)
-        if req is None or not req.beam_search:
-            raise ValueError(f"request_id={request_id!r} is not a beam-search request in flight")
-        k, vocab = len(req.seqs), self.runtime.vocab_size
-        if not all(s.seq_id in self._paused for s in req.seqs):
-            raise ValueError(f"request_id={request_id!r}: not every beam is waiting for a token")
-        par, toks = [int(p) for p in parents], [int(t) for t in token_ids]
-        if not par or len(par) != len(toks):
-            raise ValueError(f"parents={par} and token_ids={toks}: need equal, non-zero lengths")
-        if not all(0 <= p < k for p in par) or not all(0 <= t < vocab for t in toks):
-            raise ValueError(
-                f"parents={par} / token_ids={toks} are not allowed: parents must be in [0, {k}) "
-                f"and token ids in [0, {vocab})"
-            )
-        if max(len(req.seqs[p]) for p in par) + 1 >= self.runtime.max_model_len:
-            raise ValueError(f"request_id={request_id!r}: a beam would reach max_model_len")
-        return req, par, toks
-
-    def _reseat_beams(self, req: RequestState, parents: list[int], token_ids: list[int]) -> None:
-        children: list[list[int]] = [[] for _ in req.seqs]
-        for j, p in enumerate(parents):
-            children[p].append(j)
-        new: list[Sequence | None] = [None] * len(parents)
-        for seq, kids in zip(req.seqs, children):
-            del self._paused[seq.seq_id]
-            if not kids:  # dropped: its references go (blocks only it held are free again)
-                self.scheduler.finish(seq, "abort")
-                continue
-            forks = [seq]
-            for _ in kids[1:]:
-                child = seq.fork()
-                self.block_manager.fork(seq, child)
-                forks.append(child)
-            for j, s in zip(kids, forks):
-                s.append_token(token_ids[j])
-                new[j] = s
-                self._resume(s)
-        self.requests.set_seqs(req, new)
+        """Beam search: every request of ``request_ids`` gets its next beams, beam ``j`` of
+        request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
+        (``beams.py``)."""
+        beams.provide_beams(self, request_ids, parents, token_ids)
 
     # ---- driving requests ---------------------------------------------------------------
 
@@ -264,9 +219,11 @@ class LLMEngine:
             # a synchronous step needs every token on the host
             self._stepper.apply_resolved(self._overlap.drain())
         with self.profile.section("schedule"):
+            if self.requests.num_spec:  # such requests step synchronously: tokens on the host
+                self.spec.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             # paused sequences hold the blocks the waiting ones need: park them, newest first
-            while out.is_empty and self.scheduler.waiting and self._park_paused():
+            while out.is_empty and self.scheduler.waiting and paused.park_newest(self):
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
             if out.is_empty:
@@ -279,19 +236,10 @@ class LLMEngine:
             self._collect_finished(result)
         return result
 
-    def _park_paused(self) -> bool:
-        """Free the blocks of the newest paused sequence holding any; False when none does."""
-        holding = [s for s in self._paused.values() if s.block_table]
-        if not holding:
-            return False
-        seq = max(holding, key=lambda s: s.arrival)
-        self.block_manager.free(seq)
-        seq.reset_for_recompute()  # stays in _paused until its token arrives
-        self.num_parked += 1
-        return True
-
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
+        if not seq.is_finished:
+            self.spec.release(seq)
         self.scheduler.finish(seq, reason)
         self.requests.mark_finished(seq)
 
@@ -311,30 +259,8 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_parked": self.num_parked,  # paused (external) sequences preempted
-            "max_num_running_seqs": self.scheduler.max_num_running_seqs,
-            "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
-            "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-            "num_kv_blocks": self.runtime.num_kv_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
-            "num_held_back": self.scheduler.num_held_back,  # waits for a prefix being prefilled
-            "num_copied_blocks": bm.num_copied_blocks,  # copy on write of forked blocks
-            **self._profile_stats(),
-        }
-
-    def _profile_stats(self) -> dict:
-        if not self.profile.enabled:
-            return {}
-        prof = self.profile.summary()
-        runner = getattr(self.executor, "runner", None)
-        if runner is not None:
-            prof.update(runner.profile.summary())
-        return {"profile": prof}
+        """The engine's counters (``stats.py``)."""
+        return engine_stats(self)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -2,7 +2,10 @@
 runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, samples.
 
 Construction, in order: process group -> model + weights on the rank's device ->
-``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``.
+``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``. On CUDA the
+cache is sized from the engine's share of the device (``gpu_memory_utilization``; the arithmetic
+is ``memory.plan_kv_cache``), and ``exit`` gives every byte the runner allocated back to the
+driver, so an engine can be closed and rebuilt, or share the device with other engines.
 The model is any ``hf_paged.models.protocol.PagedModel``: the runner sizes the ``KVCache`` from
 its ``kv_cache_specs`` and passes the cache in every step's ``AttentionMetadata.kv_cache``.
 Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
@@ -12,24 +15,30 @@ Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whos
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hf_paged import envs as hf_envs
+from hf_paged import timings
 from hf_paged.attention import AttentionMetadata, select_backend
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
+from hf_paged.engine import memory_probe
+from hf_paged.engine.memory import KVCacheMemoryError
 from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
 from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
+from hf_paged.engine.runner_memory import RunnerMemory
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+_engine_numbers = itertools.count(1)  # names this process's engines in memory errors
 
 
 @dataclass(frozen=True)
@@ -91,34 +100,54 @@ class ModelRunner:
         self.block_size = spec.config.kv_block_size
         self.device = torch.device(spec.device)
         self.dtype = spec.dtype
+        # the KV cache's dtype: the model's, or float8_e4m3fn (kv_cache_dtype="fp8")
+        self.kv_dtype = torch.float8_e4m3fn if spec.config.kv_cache_dtype != "auto" else spec.dtype
         self.max_model_len = spec.max_model_len
 
+        self.kv_cache: KVCache | None = None
+        self.graph_runner = None
+        self.sampler = None
+        self.model = None
+        self.profile = StepProfile(prefix="runner")  # HF_PAGED_PROFILE=1 turns it on
+        self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
+        # what this runner holds on its device; on CUDA its KV budget (a byte count elsewhere)
+        name = f"engine {next(_engine_numbers)}: " + _model_name(spec)
+        self.memory = RunnerMemory(memory_probe.probe_for(self.device), str(self.device), name)
+        try:
+            self._build(spec)
+        except BaseException:
+            self._release()  # a failed start gives its memory back too
+            raise
+
+    def _build(self, spec: RunnerSpec) -> None:
         backend = select_backend(self.device.type, spec.config.attention_backend)
         self.attn_backend = backend
         self.ctx = ModelContext(
             backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
         )
-        self.model = build_model(
-            spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
-        )
-        self.model.load_weights(spec.model_source)
+        with timings.span("engine_start.model_load"):
+            self.model = build_model(
+                spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
+            )
+            self.model.load_weights(spec.model_source)
         # drop the source: an in-memory HF model must not be kept alive by its engine
         self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
         self.kv_specs: list[KVCacheSpec] = list(self.model.kv_cache_specs)
         if not self.kv_specs:
             raise ValueError(f"{type(self.model).__name__}.kv_cache_specs is empty")
-        self.kv_cache: KVCache | None = None
-        self.sampler = Sampler(self._make_generator()) if rank == 0 else None
-        self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
-        self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
+        self.sampler = Sampler(self._make_generator()) if self.rank == 0 else None
 
-        self.warmup_model()
-        self.num_kv_blocks = self.allocate_kv_cache()
-        self.graph_runner = None
+        with timings.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
+            self.warmup_model()
+        self.memory.loaded()
+        with timings.span("engine_start.kv_cache"):
+            self.num_kv_blocks = self.allocate_kv_cache()
         self.cuda_graph_reason = self._cuda_graph_problem()
         if self.device.type == "cuda" and self.cuda_graph_reason is None:
-            self.capture_cudagraph()
+            with timings.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
+                self.capture_cudagraph()  # decode compiles and captures
+        self.memory.register(self.kv_cache.nbytes())
 
     # ---- construction steps -------------------------------------------------------------
 
@@ -130,7 +159,9 @@ class ModelRunner:
     def _set_kv_cache(self, num_blocks: int) -> KVCache:
         """Set the runner's KV cache to a zeroed one of ``num_blocks`` blocks (the steps
         prepared from now on carry it in their metadata)."""
-        self.kv_cache = KVCache(self.kv_specs, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            self.kv_specs, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
         return self.kv_cache
 
     def _cuda_graph_problem(self) -> str | None:
@@ -148,21 +179,22 @@ class ModelRunner:
 
     def warmup_model(self) -> None:
         """A synthetic prefill at the largest step size, to compile kernels and measure the
-        activations' peak memory. Only on CUDA: on CPU the KV budget is a byte count."""
-        self.activation_peak_bytes = 0
-        if self.device.type != "cuda":
+        activations' peak memory (``RunnerMemory.profile_run``). Only where the KV cache is
+        sized from memory (CUDA): on CPU the budget is a byte count. Its temporaries (a small
+        KV cache, the inputs) are freed and handed back."""
+        if not self.memory.active:
             return
         step = self._warmup_inputs()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._warmup_forward(*step)
-        torch.cuda.synchronize(self.device)
-        self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
+        with self.memory.profile_run():
+            self._warmup_forward(*step)
         del step
         self.kv_cache.release()
         self.kv_cache = None
-        torch.cuda.empty_cache()
+        self.memory.probe.release_cached(collect=False)  # plain temporaries: no cycles
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.memory.activation_peak
 
     def _warmup_inputs(self):
         """A temporary real KV cache and the largest prefill step's inputs, made by
@@ -194,32 +226,51 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         """Bytes one block id costs: every layer's K and V (layers may differ)."""
-        return KVCache.block_bytes(self.kv_specs, self.block_size, self.dtype)
+        return KVCache.block_bytes(self.kv_specs, self.block_size, self.kv_dtype)
 
     def allocate_kv_cache(self) -> int:
-        """Size and allocate the KV cache; returns the block count (MIN over ranks)."""
+        """Size and allocate the KV cache; returns the block count (MIN over ranks). Without
+        ``num_kv_blocks`` / ``kv_cache_bytes``, on CUDA, the count comes from the engine's
+        share of the device (``RunnerMemory.plan_kv_cache``).
+
+        Raises:
+            KVCacheMemoryError: the share is not free, or holds too few blocks (with TP: raised
+                after every rank took part in the MIN, so none waits on the others).
+            ValueError: a fixed count below one max_model_len sequence.
+        """
         cfg = self.config
         block_bytes = self.kv_block_bytes()
+        error = None
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_bytes is not None:
             num_blocks = cfg.kv_cache_bytes // block_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # what we may use, minus what is in use now, minus the activations' peak
-            used = total - free
-            budget = total * cfg.gpu_memory_utilization - used - self.activation_peak_bytes
-            num_blocks = int(budget) // block_bytes
+        elif self.memory.active:
+            try:
+                num_blocks = self.memory.plan_kv_cache(
+                    cfg.gpu_memory_utilization, block_bytes, self.block_size, self.max_model_len
+                ).num_blocks
+            except KVCacheMemoryError as exc:
+                num_blocks, error = 0, exc
         else:
             num_blocks = _CPU_DEFAULT_KV_BYTES // block_bytes
+        own = num_blocks
         t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
+        if error is not None:
+            raise error
         need = -(-self.max_model_len // self.block_size)
         if num_blocks < need:
+            where = (
+                f"another rank of this engine holds only {num_blocks} KV blocks (its own error "
+                "says why)"
+                if own >= need
+                else f"the KV cache holds {num_blocks} blocks"
+            )
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
-                f"({block_bytes} bytes each) but max_model_len={self.max_model_len} needs {need}: "
-                "raise num_kv_blocks / kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+                f"{where} of {self.block_size} tokens ({block_bytes} bytes each) but "
+                f"max_model_len={self.max_model_len} needs {need}: raise num_kv_blocks / "
+                "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
             )
         self._set_kv_cache(num_blocks)
         return num_blocks
@@ -232,8 +283,9 @@ class ModelRunner:
     # ---- per step -----------------------------------------------------------------------
 
     def prepare_prefill(self, inp: ModelInput):
-        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, and decodes).
-        Returns (input_ids [T], positions [T], metadata, logits_indices [N_sample])."""
+        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, decodes, and
+        chunks verifying speculative tokens). Returns (input_ids [T], positions [T], metadata,
+        logits_indices [N_rows]: each sampling chunk's last ``num_logits`` positions)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -249,7 +301,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(c.start_pos + n)
             if c.sample:
-                logits_idx.append(cu[-1] - 1)
+                logits_idx.extend(range(cu[-1] - c.num_logits, cu[-1]))
         t = len(input_ids)
         # one host buffer, one copy: [input_ids | positions | slots | logits_idx]
         host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
@@ -354,8 +406,9 @@ class ModelRunner:
         sampling: SamplingMetadata | None = None,
         external_rows: tuple[int, ...] = (),
     ) -> RunnerOutput | None:
-        """One engine step. Rank 0 samples the rows not in ``external_rows`` (indices among
-        the chunks with ``sample=True``) and returns the external rows' raw logits."""
+        """One engine step. Rank 0 samples the logits rows not in ``external_rows`` (indices
+        among all logits rows, ``ScheduledChunk.num_logits`` per sampling chunk) with
+        ``sampling`` (one row each, in order) and returns the external rows' raw logits."""
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
@@ -431,15 +484,36 @@ class ModelRunner:
     # ---- lifecycle / IPC ----------------------------------------------------------------
 
     def exit(self) -> None:
+        """Give back everything this runner holds (graphs, KV cache, weights, staging
+        buffers, the allocator's cached blocks), then leave the process group. Safe twice."""
+        self._release()
+        if self.world_size > 1 and self.comm.group is not None:
+            from hf_paged.distributed.process_group import destroy_process_group
+
+            destroy_process_group(self.comm.group)
+
+    def _release(self) -> None:
+        """Drop every tensor this runner made. The graphs go first (their pool holds captured
+        tensors and they read the KV cache), then the cache, the model (weights the engine
+        loaded or fused; an in-memory HF model keeps its own), the sampler's generator, the
+        backend's tensors and the pinned staging buffers; on CUDA the allocator's now unused
+        blocks go back to the driver."""
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
         if self.kv_cache is not None:
             self.kv_cache.release()
-        self.kv_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.world_size > 1:
-            from hf_paged.distributed.process_group import destroy_process_group
+            self.kv_cache = None
+        self.model = None
+        self.sampler = None
+        backend = getattr(self, "attn_backend", None)
+        if backend is not None:
+            backend.release()
+        self.ctx = None
+        self._pinned.clear()
+        self.memory.release()
 
-            destroy_process_group(self.comm.group)
+
+def _model_name(spec: RunnerSpec) -> str:
+    archs = getattr(spec.hf_config, "architectures", None) or [type(spec.hf_config).__name__]
+    return f"{archs[0]} (max_model_len={spec.max_model_len})"

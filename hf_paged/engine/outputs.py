@@ -28,13 +28,20 @@ class SchedulerOutput:
     def model_input(self) -> tuple[ModelInput, list[Sequence]]:
         """The runner's view of this step, and the sequences it samples (in row order).
 
-        A chunk samples when it reaches the end of its sequence's known tokens."""
+        A chunk samples when it reaches the end of its sequence's known tokens; one that goes on
+        through the sequence's speculative tokens has a logits row at each of its last
+        ``1 + len(spec_token_ids)`` positions."""
         chunks, sampled = [], []
         for seq, n in zip(self.seqs, self.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            sample = start + n == len(seq)
+            start, spec = seq.num_computed_tokens, seq.spec_token_ids
+            sample = start + n == len(seq) + len(spec)
             tokens = seq.token_ids[start : start + n]
-            chunks.append(ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample))
+            if spec and sample:
+                tokens += spec
+            chunk = ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample)
+            if spec and sample:
+                chunk.num_logits = 1 + len(spec)
+            chunks.append(chunk)
             if sample:
                 sampled.append(seq)
         return ModelInput(chunks, self.blocks_to_copy), sampled
@@ -81,6 +88,9 @@ class ScheduledChunk:
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
     prompt_rows: PromptRows | None = None  # rows whose prompt logprobs the runner returns
+    # with ``sample``: logits rows at the chunk's last ``num_logits`` positions (1 + the
+    # speculative tokens it verifies; each row scores the token after its position)
+    num_logits: int = 1
 
 
 @dataclass
@@ -99,7 +109,8 @@ class ModelInput:
 
 @dataclass
 class RunnerOutput:
-    """Rank 0's result of one step, one row per chunk with ``sample=True`` (in chunk order)."""
+    """Rank 0's result of one step: one row per logits row, in chunk order (a chunk with
+    ``sample=True`` has ``num_logits`` rows, its positions' order)."""
 
     sampled_token_ids: list[int]
     # per sampled row, when any request asked for logprobs: (sampled logprob, {id: logprob} top-k)

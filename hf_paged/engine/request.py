@@ -30,6 +30,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None  # the text the ids came from, echoed in the RequestOutput
     stop_strings: object | None = None  # StopStrings for ``params.stop``; None = engine's own
+    proposer: object | None = None  # speculative tokens' proposer (``engine/proposers.py``)
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
@@ -55,6 +56,38 @@ def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> li
     return ids
 
 
+def check_request_args(params, vocab_size: int, *, external_sampling: bool, proposer,
+                       beam_search: bool) -> SamplingParams:  # fmt: skip
+    """``add_request``'s checks on its arguments but the prompt; returns the params (None =
+    defaults).
+
+    Raises:
+        TypeError: ``params`` is not a SamplingParams.
+        ValueError: ``prompt_logprobs_next`` outside the vocabulary, ``n != 1`` or a proposer
+            with external sampling, beam search without external sampling.
+    """
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
+    nxt = params.prompt_logprobs_next
+    if nxt is not None and nxt >= vocab_size:
+        raise ValueError(f"prompt_logprobs_next={nxt} is not allowed: must be in [0, {vocab_size})")
+    if external_sampling and params.n != 1:
+        raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+    if beam_search and not external_sampling:
+        raise ValueError("beam_search=True is not allowed without external_sampling=True")
+    if proposer is not None and beam_search:
+        raise ValueError(
+            "proposer=... is not allowed with beam_search=True: beams do not speculate"
+        )
+    if proposer is not None and external_sampling:
+        raise ValueError(
+            "proposer=... is not allowed with external_sampling=True: the caller samples each "
+            "token itself"
+        )
+    return params
+
+
 def _check_each_id(ids: list, vocab_size: int) -> None:
     """Convert ``ids`` to ints in place, raising on the first one that is not allowed."""
     for pos, t in enumerate(ids):
@@ -68,14 +101,6 @@ def _check_each_id(ids: list, vocab_size: int) -> None:
                 f"[0, {vocab_size}) (the model's vocab_size)"
             )
         ids[pos] = operator.index(t)
-
-
-def draw_seeds(n: int, sampled: bool) -> list[int | None]:
-    """Per-row seeds drawn from torch's global RNG (so ``torch.manual_seed`` reproduces a call,
-    as it does for stock ``generate``); all None when nothing is sampled."""
-    if not sampled:
-        return [None] * n
-    return torch.randint(0, 2**62, (n,)).tolist()
 
 
 def budget(params: SamplingParams) -> int:
@@ -116,6 +141,8 @@ class RequestGroup:
             kwargs["prompt"] = request.prompt
         if request.stop_strings is not None:
             kwargs["stop_strings"] = request.stop_strings
+        if request.proposer is not None:
+            kwargs["proposer"] = request.proposer
         rid = self.engine.add_request(request.prompt_token_ids, request.params, **kwargs)
         self.rids.append(rid)
         self._open.add(rid)

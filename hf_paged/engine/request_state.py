@@ -35,6 +35,7 @@ class RequestState:
     stop_strings: StopStrings | None = None  # matcher for params.stop
     prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
+    proposer: object | None = None  # proposes speculative tokens (``engine/proposers.py``)
     # external beam search: ``seqs`` are its beams, replaced each step by ``provide_beams``
     beam_search: bool = False
 
@@ -42,19 +43,24 @@ class RequestState:
     def build(
         cls, request_id, prompt: str | None, ids: list[int], params: SamplingParams,
         external: bool, eos_token_ids: tuple[int, ...], stop_strings: StopStrings | None,
+        proposer=None,
     ) -> RequestState:  # fmt: skip
         """A new request's state: ``params.n`` sequences of ``ids``, its stop ids (the model's
-        EOS ids unless ``ignore_eos``, then ``stop_token_ids``) and prompt-logprob state."""
+        EOS ids unless ``ignore_eos``, then ``stop_token_ids``) and prompt-logprob state. A
+        request with a ``proposer`` steps synchronously (its tokens are verified on the host)."""
         seqs = [Sequence(ids, params, request_id=request_id) for _ in range(params.n)]
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         req = cls(
             request_id, prompt, ids, params, seqs, external,
-            sync_only=not overlap_eligible(params, external),
-            stop_ids=eos + params.stop_token_ids, stop_strings=stop_strings,
+            sync_only=proposer is not None or not overlap_eligible(params, external),
+            stop_ids=eos + params.stop_token_ids, stop_strings=stop_strings, proposer=proposer,
         )  # fmt: skip
         if params.prompt_logprobs is not None:
+            scored = (
+                ids if params.prompt_logprobs_next is None else [*ids, params.prompt_logprobs_next]
+            )
             req.prompt_lps = PromptLogprobState(
-                ids, params.prompt_logprobs, params.prompt_logprobs_start
+                scored, params.prompt_logprobs, params.prompt_logprobs_start
             )
             seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
         return req
@@ -88,6 +94,7 @@ class RequestTable:
     Attributes:
         by_id: request id -> RequestState, until the request is reported.
         num_sync: requests in the table that overlapped stepping cannot serve.
+        num_spec: requests in the table with a proposer.
     """
 
     def __init__(self, device: str):
@@ -97,6 +104,7 @@ class RequestTable:
         self._generators: dict[int, torch.Generator] = {}
         self._maybe_done: set[int] = set()  # seq ids finished since the last ``take_done``
         self.num_sync = 0
+        self.num_spec = 0
 
     def __contains__(self, request_id) -> bool:
         return request_id in self.by_id
@@ -114,6 +122,7 @@ class RequestTable:
             raise ValueError(f"request_id={req.request_id!r} is not allowed: it is already in use")
         self.by_id[req.request_id] = req
         self.num_sync += req.sync_only
+        self.num_spec += req.proposer is not None
         for i, seq in enumerate(req.seqs):
             self._by_seq[seq.seq_id] = req
             if req.params.seed is not None:
@@ -158,6 +167,7 @@ class RequestTable:
                 continue
             del self.by_id[req.request_id]
             self.num_sync -= req.sync_only
+            self.num_spec -= req.proposer is not None
             for seq in req.seqs:
                 self._by_seq.pop(seq.seq_id, None)
                 self._generators.pop(seq.seq_id, None)
@@ -165,9 +175,19 @@ class RequestTable:
         self._maybe_done = later
         return done
 
-    def sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """The sampler's view of ``seqs`` (one row each)."""
-        params = [s.sampling_params for s in seqs]
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """The seeded generator of ``seq`` (None without a seed)."""
+        return self._generators.get(seq.seq_id)
+
+    def sampling_metadata(
+        self, seqs: list[Sequence], num_rows: list[int] | None = None
+    ) -> SamplingMetadata:
+        """The sampler's view of ``seqs``: one row each, or ``num_rows[i]`` rows for ``seqs[i]``
+        (a chunk verifying speculative tokens: row j sees the first j of them as output, so
+        penalties and ``min_tokens`` read each position's own history)."""
+        num_rows = num_rows or [1] * len(seqs)
+        rows = [(s, j) for s, n in zip(seqs, num_rows, strict=True) for j in range(n)]
+        params = [s.sampling_params for s, _ in rows]
         # token histories are copied only when some row's penalties or min_tokens read them
         history = any(
             p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
@@ -175,11 +195,13 @@ class RequestTable:
         )
         return SamplingMetadata(
             params=params,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if history else [] for s in seqs],
-            output_token_ids=[s.output_token_ids if history else [] for s in seqs],
-            stop_token_ids=[self._by_seq[s.seq_id].stop_ids for s in seqs],
-            generators=[self._generators.get(s.seq_id) for s in seqs],
-        )
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if history else []
+                              for s, _ in rows],
+            output_token_ids=[s.output_token_ids + s.spec_token_ids[:j] if history else []
+                              for s, j in rows],
+            stop_token_ids=[self._by_seq[s.seq_id].stop_ids for s, _ in rows],
+            generators=[self._generators.get(s.seq_id) for s, _ in rows],
+        )  # fmt: skip
 
     def prompt_rows(self, seq: Sequence, start: int, n: int):
         """The prompt-logprob rows a chunk of ``seq`` (``n`` tokens from ``start``) scores, or

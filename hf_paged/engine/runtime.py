@@ -3,6 +3,7 @@ never written back into the frozen EngineConfig."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.models.registry import resolve_model_class
+from hf_paged.paths import not_a_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -72,8 +74,8 @@ def _load_tokenizer(path: str):
 
 def quantization_method(model_or_config) -> str | None:
     """The ``quant_method`` of a quantized model or config ("bitsandbytes", "gptq", "awq",
-    "fp8" ...; "unknown" when it names none), or None for plain weights. The engine implements
-    no quantized weights, so any method is one it can't serve."""
+    "fp8" ...; "unknown" when it names none), or None for plain weights. Which of them the engine
+    serves is ``layers.quantization.unserved_quantization``'s decision."""
     quantizer = getattr(model_or_config, "hf_quantizer", None)
     qc = getattr(quantizer, "quantization_config", None)
     config = getattr(model_or_config, "config", model_or_config)
@@ -86,16 +88,31 @@ def quantization_method(model_or_config) -> str | None:
     return str(method) if method else "unknown"
 
 
+def quantization_reason(model_or_config) -> tuple[str, str] | None:
+    """``(reason, detail)`` when a model's or config's quantization is one the engine does not
+    serve (``layers.quantization.unserved_quantization`` decides), else None; the message every
+    caller shows, a fallback warning or a ValueError."""
+    from hf_paged.layers.quantization import unserved_quantization
+
+    found = unserved_quantization(model_or_config)
+    if found is None:
+        return None
+    method, why = found
+    return f"quantized_{method}", (
+        f"quantization_config with quant_method={method!r} is not allowed: {why}; load an "
+        "unquantized or FP8 checkpoint, or use transformers' own generate for this one"
+    )
+
+
 def _check_servable(model, hf_config) -> None:
     """ValueError for what the engine can't run and ``LLM`` has no stock model to fall back
-    on for: quantized weights, and PEFT adapters that merged weights can't reproduce."""
-    method = quantization_method(model if not isinstance(model, (str, os.PathLike)) else hf_config)
-    if method is not None:
-        raise ValueError(
-            f"quantization_config with quant_method={method!r} is not allowed: the engine runs "
-            "only unquantized float weights (float32/float16/bfloat16); load an unquantized "
-            "checkpoint, or use transformers' generate for this one"
-        )
+    on for: quantized weights other than the FP8 formats it serves, and PEFT adapters that
+    merged weights can't reproduce."""
+    quantized = quantization_reason(
+        model if not isinstance(model, (str, os.PathLike)) else hf_config
+    )
+    if quantized is not None:
+        raise ValueError(f"{quantized[1]} [{quantized[0]}]")
     if not isinstance(model, (str, os.PathLike)):
         from hf_paged.models import peft
 
@@ -107,19 +124,38 @@ def _check_servable(model, hf_config) -> None:
             )
 
 
-def _not_a_directory(path: str) -> str:
-    message = (
-        f"model={path!r} is not allowed: must be a local checkpoint directory or a loaded "
-        "transformers model. hf_paged downloads nothing"
-    )
-    parts = path.split("/")
-    if len(parts) == 2 and all(parts) and not os.path.exists(path):  # looks like "org/name"
-        message += (
-            f"; {path!r} looks like a Hugging Face Hub id: download it first, e.g. "
-            f"`huggingface-cli download {path} --local-dir <dir>` (or "
-            "`huggingface_hub.snapshot_download`), and pass that local directory"
-        )
-    return message
+def _served_config(model):
+    """The config the engine builds an in-memory model from: its own, without the
+    ``quantization_config`` when its weights are plain (dequantized by transformers at load,
+    or a config that names FP8 over plain weights)."""
+    from hf_paged.layers.quantization import fp8_config_of
+    from hf_paged.layers.quantization.fp8_config import UnsupportedQuantizationError
+
+    config = model.config
+    if getattr(config, "quantization_config", None) is None:
+        return config
+    try:
+        if fp8_config_of(model) is not None:
+            return config
+    except UnsupportedQuantizationError:
+        return config  # refused by _check_servable, naming why
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    return plain
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The model's activation dtype: that of its first parameter that is neither float8 nor an
+    FP8 scale (``model.dtype`` may name a float8 weight)."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.element_size() > 1 and "scale" not in name.split(".")[-1]:
+            return p.dtype
+    return model.dtype
+
+
+def default_max_model_len(hf_config) -> int:
+    """``max_model_len`` when the config sets none: the model's own positions (2048 if unknown)."""
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
 
 
 def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
@@ -138,15 +174,17 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         _check_servable(model, None)
         model = unwrap(model)
     if isinstance(model, PreTrainedModel):
-        hf_config = model.config
+        hf_config = _served_config(model)
         gen_config = getattr(model, "generation_config", None)
         device = _resolve_device(config.device, model.device)
-        dtype = _resolve_dtype(config.dtype, model.dtype, device)
+        dtype = _resolve_dtype(config.dtype, _compute_dtype(model), device)
         path, tokenizer = None, None
     elif isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):
-            raise ValueError(_not_a_directory(path))
+            raise ValueError(not_a_checkpoint(
+                "model", path, "a local checkpoint directory or a loaded transformers model"
+            ))
         hf_config = AutoConfig.from_pretrained(path)
         try:
             gen_config = GenerationConfig.from_pretrained(path)
@@ -163,8 +201,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         )
     _check_servable(model, hf_config)
     resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-    max_model_len = config.max_model_len or max_pos
+    max_model_len = config.max_model_len or default_max_model_len(hf_config)
     eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(
         getattr(hf_config, "eos_token_id", None)
     )

@@ -6,7 +6,9 @@ go first; when one cannot get a block, the newest running sequence is preempted 
 all its tokens recomputed later). Waiting sequences are admitted first come, first served, except
 that one whose leading blocks a running sequence is still prefilling waits for them to reach the
 prefix cache instead of computing them a second time (n > 1 samples of one prompt, lm-eval's
-continuations of one context, any callers' shared system prompts).
+continuations of one context, any callers' shared system prompts). A running sequence with
+speculative tokens (``Sequence.spec_token_ids``) gets them in the same chunk as its last token when
+the budget and the KV allow, else it decodes plainly; ``accept`` keeps what the model verified.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, token_budget)
             if num_new < 1:
                 raise RuntimeError(f"running {seq!r} has no token to compute (update missed?)")
+            if seq.spec_token_ids:
+                num_new = self._with_spec_tokens(seq, num_new, token_budget)
             while not bm.allocate_slots(seq, num_new):
                 victim = max(self.running[i:], key=lambda s: s.arrival)
                 self._preempt(victim)
@@ -125,6 +129,18 @@ class Scheduler:
         out.blocks_to_copy = bm.take_copies()
         return out
 
+    def _with_spec_tokens(self, seq: Sequence, num_new: int, token_budget: int) -> int:
+        """``num_new`` plus the speculative tokens that fit the budget and the KV now (the rest
+        are dropped: a proposal is worth less than a preemption)."""
+        if num_new < seq.num_uncomputed_tokens:
+            seq.spec_token_ids = []  # only a chunk that ends the known tokens verifies them
+            return num_new
+        spec = seq.spec_token_ids
+        del spec[max(0, token_budget - num_new) :]
+        if spec and not self.block_manager.allocate_slots(seq, num_new + len(spec)):
+            spec.clear()
+        return num_new + len(spec)
+
     def _prefilling_by_first_block(self) -> dict | None:
         """Running sequences still computing prompt blocks, by their first block's tokens (None
         when prefix caching is off: nothing is worth waiting for)."""
@@ -170,7 +186,9 @@ class Scheduler:
         Args:
             out: what ``schedule`` returned for the step.
             sampled: per ``out.seqs[i]``, the sampled token, or None when its chunk did not reach
-                the end of its known tokens. Sequences finished since ``schedule`` are skipped.
+                the end of its known tokens, or, for a chunk that verified speculative tokens,
+                the list of tokens it accepted (see ``accept``). Sequences finished since
+                ``schedule`` are skipped.
             cache_blocks: register newly full blocks in the prefix cache now; False when token
                 values are still placeholders (overlapped stepping registers them later).
 
@@ -182,6 +200,11 @@ class Scheduler:
         for seq, num_new, token_id in zip(out.seqs, out.num_new_tokens, sampled, strict=True):
             if seq.is_finished:
                 continue
+            if isinstance(token_id, list):
+                self.accept(seq, num_new, token_id, cache_blocks)
+                continue
+            if seq.spec_token_ids:
+                raise ValueError(f"{seq!r} computed speculative tokens: pass the accepted list")
             seq.num_computed_tokens += num_new
             if cache_blocks:
                 self.block_manager.cache_full_blocks(seq)
@@ -189,6 +212,60 @@ class Scheduler:
                 if seq.num_computed_tokens != len(seq):
                     raise ValueError(f"token sampled for {seq!r} before its prefill ended")
                 seq.append_token(token_id)
+
+    def accept(
+        self, seq: Sequence, num_new: int, tokens: list[int], cache_blocks: bool = True
+    ) -> None:
+        """Advance ``seq`` after a step that computed ``num_new`` tokens ending with its
+        speculative ones: ``tokens`` are the accepted speculative tokens (a prefix of
+        ``seq.spec_token_ids``) followed by the model's own next token.
+
+        The rejected tokens' KV is rolled back (their blocks released, ``num_computed_tokens``
+        rewound) before any full block is registered in the prefix cache, so no cached block
+        holds a rejected token.
+
+        Raises:
+            ValueError: ``tokens`` is empty or not a prefix of the speculative tokens plus one.
+        """
+        spec, m = seq.spec_token_ids, len(tokens) - 1
+        if m < 0 or m > len(spec) or tokens[:m] != spec[:m]:
+            raise ValueError(
+                f"tokens={tokens} is not allowed for {seq!r}: must be a prefix of its speculative "
+                f"tokens {spec} followed by one more token"
+            )
+        seq.num_computed_tokens += num_new - (len(spec) - m)
+        seq.token_ids.extend(tokens[:m])
+        seq.spec_token_ids = []
+        if seq.num_computed_tokens != len(seq):
+            raise ValueError(f"speculative tokens verified for {seq!r} before its prefill ended")
+        kept = self.block_manager.rollback(seq, seq.num_computed_tokens)
+        seq.num_computed_tokens = kept
+        seq.num_cached_tokens = min(seq.num_cached_tokens, kept)
+        if cache_blocks:
+            self.block_manager.cache_full_blocks(seq)
+        seq.append_token(tokens[-1])
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_computed: int | None = None) -> None:
+        """Cut ``seq`` to its first ``num_tokens`` tokens (at least its prompt): later tokens,
+        speculative ones and their KV are dropped (``BlockManager.rollback``), and at most
+        ``num_computed`` (default ``num_tokens``) tokens keep their KV; tokens the caller
+        appends afterwards are computed by later steps.
+
+        Raises:
+            ValueError: ``num_tokens`` is outside ``[num_prompt_tokens, len(seq)]``.
+        """
+        if not seq.num_prompt_tokens <= num_tokens <= len(seq):
+            raise ValueError(
+                f"num_tokens={num_tokens} is not allowed for {seq!r}: must be in "
+                f"[{seq.num_prompt_tokens}, {len(seq)}]"
+            )
+        del seq.token_ids[num_tokens:]
+        seq.spec_token_ids = []
+        limit = num_tokens if num_computed is None else min(num_computed, num_tokens)
+        if seq.block_table:
+            kept = self.block_manager.rollback(seq, min(seq.num_computed_tokens, limit))
+            seq.num_computed_tokens = kept
+            seq.num_cached_tokens = min(seq.num_cached_tokens, kept)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` FINISHED with ``reason``, free its blocks, drop it from the queues.

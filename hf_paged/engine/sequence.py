@@ -20,6 +20,8 @@ class Sequence:
     ``num_computed_tokens`` tokens (a prefix of ``token_ids``) have their KV in ``block_table``'s
     blocks; the rest are computed by later steps (a prefill chunk, or the last sampled token in a
     decode step). ``num_cached_tokens`` of those came from the prefix cache, not a forward pass.
+    ``spec_token_ids`` are proposed tokens that follow ``token_ids`` but are not part of them:
+    the next step computes them with the last token and keeps the prefix the model agrees with.
     """
 
     _ids = count()
@@ -47,6 +49,9 @@ class Sequence:
         # prefix-cache hits may cover at most this many leading tokens (None: no limit); set by
         # the engine while prompt logprob rows are still to be computed
         self.max_cached_tokens: int | None = None
+        # speculative tokens after ``token_ids``, to be verified by the next step that runs it
+        # (only requests with a proposer have any; see ``engine/spec_decode.py``)
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -98,4 +103,5 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table = []
         self.block_hashes = []
+        self.spec_token_ids = []
         self.num_preemptions += 1

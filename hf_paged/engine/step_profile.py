@@ -1,8 +1,10 @@
-"""Opt-in host-side timing of engine steps (``HF_PAGED_PROFILE=1``).
+"""Opt-in host-side timing of engine steps (``HF_PAGED_PROFILE=1``, or ``HF_PAGED_TIMINGS``).
 
 Sections are wall-clock spans on the host. ``wait`` is the time rank 0 blocks on the GPU for
 the sampled tokens, so ``wait`` ~ GPU time not hidden behind host work, and the other sections
-are host overhead per step. Off by default: then ``section`` costs one attribute check.
+are host overhead per step. Off by default: then ``section`` costs one attribute check. With
+``HF_PAGED_TIMINGS`` every section's time also goes to the process-wide ``timings`` under
+``{prefix}.{section}`` (the engine's: ``engine.schedule``, ``engine.step_total``).
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ import contextlib
 import time
 from collections import defaultdict
 
-from hf_paged import envs
+from hf_paged import envs, timings
 
 
 class StepProfile:
-    def __init__(self, enabled: bool | None = None):
+    def __init__(self, enabled: bool | None = None, prefix: str = "engine"):
         if enabled is None:
-            enabled = envs.HF_PAGED_PROFILE
+            enabled = envs.HF_PAGED_PROFILE or timings.enabled()
         self.enabled = enabled
+        self.prefix = prefix
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
 
@@ -31,8 +34,10 @@ class StepProfile:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.seconds[name] += dt
             self.counts[name] += 1
+            timings.add(f"{self.prefix}.{name}", dt)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{section: {"total_s", "calls", "mean_ms"}}."""

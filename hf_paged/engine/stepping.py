@@ -1,6 +1,7 @@
 """One engine step's model run and what its results do to the requests, in both stepping modes.
 
-Synchronous (``run_sync``): run the scheduled step, append the sampled tokens, check stops, hand
+Synchronous (``run_sync``): run the scheduled step, append the sampled tokens (or the tokens a
+chunk with speculative tokens keeps, ``spec_decode.py``), check stops on each, hand
 external-sampling rows their logits and pause them. Overlapped (``launch`` + ``apply_resolved``,
 ``EngineConfig.async_scheduling``): launch the step with placeholders, end what a length limit
 ends, then apply the stop checks that need token values to the previous step's tokens once they
@@ -12,6 +13,7 @@ engine's parts and changes sequences only through ``engine.finish_sequence`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from hf_paged.engine.outputs import RequestOutput, SchedulerOutput
 from hf_paged.engine.overlap import OverlapStepper, Resolution
@@ -33,47 +35,76 @@ class Stepper:
     """Runs scheduled steps for one engine (``engine``: its executor, scheduler, block manager,
     request table and paused sequences)."""
 
-    def __init__(self, engine, overlap: OverlapStepper | None):
+    def __init__(self, engine, overlap: OverlapStepper | None, spec):
         self.engine = engine
         self.overlap = overlap
+        self.spec = spec  # the engine's SpecDecoder
         self.requests = engine.requests
         self.max_model_len = engine.runtime.max_model_len
 
     def run_sync(self, out: SchedulerOutput, result: StepResult) -> None:
-        """Synchronous step: run, append the sampled tokens, check stops."""
+        """Synchronous step: run, append the sampled (or verified speculative) tokens, check
+        stops."""
         inp, sampled_seqs = out.model_input()
         for seq, chunk in zip(out.seqs, inp.chunks, strict=True):
             chunk.prompt_rows = self.requests.prompt_rows(
                 seq, chunk.start_pos, len(chunk.token_ids)
             )
         reqs = [self.requests.of(s.seq_id) for s in sampled_seqs]
-        external = tuple(i for i, r in enumerate(reqs) if r.external)
-        internal = [s for s, r in zip(sampled_seqs, reqs) if not r.external]
-        sampling = self.requests.sampling_metadata(internal) if internal else None
+        counts = [c.num_logits for c in inp.chunks if c.sample]  # logits rows per sampled seq
+        starts = list(accumulate(counts, initial=0))[:-1]
+        # rows the runner returns raw: external requests', and speculative sampling's
+        by_logits = [r.external or self.spec.wants_logits(s, n)
+                     for s, r, n in zip(sampled_seqs, reqs, counts)]  # fmt: skip
+        external = tuple(
+            row for r0, n, raw in zip(starts, counts, by_logits) if raw for row in range(r0, r0 + n)
+        )
+        internal = [(s, n) for s, n, raw in zip(sampled_seqs, counts, by_logits) if not raw]
+        sampling = None
+        if internal:
+            sampling = self.requests.sampling_metadata(*map(list, zip(*internal)))
         ro = self.engine.executor.run(inp, sampling, external)
         if ro.prompt_logprobs is not None:
             self.requests.record_prompt_logprobs(inp.chunks, ro.prompt_logprobs)
-        ext_ids = {sampled_seqs[i].seq_id for i in external}  # they get logits, not a token
-        tokens = iter(ro.sampled_token_ids)
-        sampled = []
-        for c in inp.chunks:
-            tok = next(tokens) if c.sample else None
-            sampled.append(None if c.seq_id in ext_ids else tok)
-        self.engine.scheduler.update(out, sampled)
-        result.num_generated_tokens += len(sampled_seqs)
-        for row, (seq, req) in enumerate(zip(sampled_seqs, reqs)):
+        verified = self.spec.verify(sampled_seqs, starts, counts, ro)  # multi-row chunks
+        new: dict[int, object] = {}  # seq_id -> its token, or its kept tokens
+        for seq, req, r0 in zip(sampled_seqs, reqs, starts):
+            if not req.external:
+                got = verified.get(seq.seq_id)
+                new[seq.seq_id] = list(got[0]) if got else ro.sampled_token_ids[r0]
+        old_lens = [len(s) for s in sampled_seqs]
+        self.engine.scheduler.update(
+            out, [new.get(c.seq_id) if c.sample else None for c in inp.chunks]
+        )
+        for seq, req, r0, n, old in zip(sampled_seqs, reqs, starts, counts, old_lens):
             if req.external:
                 self.engine.pause(seq)
                 if req.beam_search:
-                    result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[row]
+                    result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[r0]
                 else:
-                    result.logits[req.request_id] = ro.logits[row]
+                    result.logits[req.request_id] = ro.logits[r0]
+                result.num_generated_tokens += 1
                 continue
-            if ro.logprobs is not None and req.params.logprobs is not None:
-                req.logprobs.setdefault(seq.seq_id, []).append(ro.logprobs[row])
-            reason = req.stop_reason(seq, len(seq), self.max_model_len)
+            got = verified.get(seq.seq_id)
+            lps = got[1] if got else (ro.logprobs[r0 : r0 + 1] if ro.logprobs else None)
+            kept = len(seq) - old
+            result.num_generated_tokens += kept
+            self.spec.observe(seq, n - 1, max(0, kept - 1))
+            self._check_new_tokens(seq, req, old, lps)
+
+    def _check_new_tokens(self, seq, req, first: int, lps) -> None:
+        """The stop rule on each token appended from index ``first`` on, in order: the first
+        that stops ``seq`` ends it and the tokens after it are dropped. ``lps``: their
+        logprobs (recorded up to the stop) when the request asked for them."""
+        record = lps is not None and req.params.logprobs is not None
+        for j, end in enumerate(range(first + 1, len(seq) + 1)):
+            if record:
+                req.logprobs.setdefault(seq.seq_id, []).append(lps[j])
+            reason = req.stop_reason(seq, end, self.max_model_len)
             if reason is not None:
+                del seq.token_ids[end:]
                 self.engine.finish_sequence(seq, reason)
+                return
 
     def launch(self, out: SchedulerOutput, result: StepResult) -> None:
         """Overlapped step: launch ``out``, end what reaches a length limit, then apply the

@@ -10,9 +10,10 @@ HF-side preparation of a call (defaults, validation, logits processors, stopping
 a skeleton of the HF model built on the ``meta`` device, which holds no weights.
 
 ``generate`` runs the same code as ``model.generate(..., backend="paged")``
-(``integration.generate.generate_paged``). What that code cannot reproduce (beam search,
-assisted decoding, a passed-in cache ...) raises ``NotImplementedError``: there is no stock model
-to fall back on. There is no forward pass either: calling the object raises.
+(``paged_call.generate_paged``), prompt lookup and an ``assistant_model`` (an HF model or another
+``PagedModelForCausalLM``) included. What that code cannot reproduce (beam search, a passed-in
+cache ...) raises ``NotImplementedError``: there is no stock model to fall back on. There is no
+forward pass either: calling the object raises.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 
 import torch
 
 from hf_paged.config import EngineConfig
-from hf_paged.integration import dispatch
-from hf_paged.integration import generate as _generate
+from hf_paged.integration import paged_call, servable
+from hf_paged.integration.engine_owner import EngineOwner
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.paths import is_checkpoint_dir, not_a_checkpoint
 
 
 class AutoPagedModelForCausalLM:
@@ -56,8 +58,8 @@ class AutoPagedModelForCausalLM:
         Raises:
             TypeError: an unknown engine key (the message lists the allowed ones).
             ValueError: a bad engine value, a path that is not a local checkpoint directory, an
-                architecture the engine does not implement, or a quantized checkpoint (the
-                message names its quant_method).
+                architecture the engine does not implement, or a quantized checkpoint other
+                than the FP8 formats it serves (the message names its quant_method).
         """
         path = os.fspath(pretrained_model_name_or_path)
         from hf_paged.models.peft import is_adapter_dir
@@ -68,11 +70,8 @@ class AutoPagedModelForCausalLM:
                 "directory; load it with transformers (AutoModelForCausalLM.from_pretrained or "
                 "PeftModel.from_pretrained) and call generate(..., backend='paged') or LLM(model)"
             )
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(
-                f"pretrained_model_name_or_path={path!r} is not allowed: must be a local "
-                "checkpoint directory with a config.json (nothing is downloaded)"
-            )
+        if not is_checkpoint_dir(path):
+            raise ValueError(not_a_checkpoint("pretrained_model_name_or_path", path))
         if isinstance(engine_kwargs.get("dtype"), torch.dtype):
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
@@ -103,22 +102,17 @@ class AutoPagedModelForCausalLM:
         return PagedModelForCausalLM(engine, _meta_skeleton(path, engine.hf_config), path)
 
 
-def quantized_checkpoint_reason(path: str | os.PathLike) -> tuple[str, str] | None:
-    """``(reason, detail)`` when the checkpoint directory's config has a
-    ``quantization_config`` (the engine runs none), for callers that can fall back to stock."""
+def quantized_checkpoint_reason(path: str | os.PathLike) -> PagedFallback | None:
+    """Why a checkpoint directory's quantization can't be served (for callers that can fall
+    back to stock), or None."""
     from transformers import AutoConfig
 
-    from hf_paged.engine.runtime import quantization_method
+    from hf_paged.engine.runtime import quantization_reason
 
-    if not os.path.isfile(os.path.join(os.fspath(path), "config.json")):
+    if not is_checkpoint_dir(path):
         return None
-    method = quantization_method(AutoConfig.from_pretrained(path))
-    if method is None:
-        return None
-    return f"quantized_{method}", (
-        f"the checkpoint is quantized (quant_method={method!r}); the engine runs only "
-        "unquantized float weights"
-    )
+    reason = quantization_reason(AutoConfig.from_pretrained(path))
+    return None if reason is None else PagedFallback(*reason)
 
 
 def _meta_skeleton(path: str, hf_config):
@@ -170,8 +164,7 @@ class PagedModelForCausalLM:
         self.engine = engine
         self._skeleton = skeleton  # meta-device HF model: config, generation_config, HF helpers
         self.name_or_path = name_or_path
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # thread id inside ``hold_engine``
+        self._owner = EngineOwner(engine=engine)  # one caller at a time
 
     # ---- what HF callers read ---------------------------------------------------------------
 
@@ -277,19 +270,23 @@ class PagedModelForCausalLM:
             "negative_prompt_attention_mask": negative_prompt_attention_mask,
             "custom_generate": custom_generate,
         }
-        reason = dispatch.precheck(self._skeleton, named, kwargs)
-        # the skeleton is on the meta device by design: only the argument checks apply here
-        if reason is not None and reason[0] != "device":
-            raise _unsupported(*reason)
+        if assistant_model is self:  # its engine is the one drafting would need
+            raise _unsupported(PagedFallback("assisted_self", "assistant_model is this model"))
+        fb = servable.precheck(self._skeleton, named, kwargs, model_checks=False)
+        if fb is not None:
+            raise _unsupported(fb)
         if inputs is None and kwargs.get("input_ids") is None:
             inputs = self._bos_inputs(generation_config, kwargs)
-        self._check_not_held()
-        with self._lock:
-            try:
-                return _generate.generate_paged(
+        from hf_paged.integration.dispatch import hold_engine  # an HF model as the assistant
+
+        try:
+            with self._owner.hold():
+                return paged_call.generate_paged(
                     self._skeleton,
                     lambda: self.engine,
+                    hold_engine,
                     inputs=inputs,
+                    assistant_model=assistant_model,
                     generation_config=generation_config,
                     logits_processor=logits_processor,
                     stopping_criteria=stopping_criteria,
@@ -297,10 +294,12 @@ class PagedModelForCausalLM:
                     streamer=streamer,
                     **kwargs,
                 )
-            except _generate.PagedFallback as fb:
-                if fb.reason == "max_model_len":  # the caller can fix it: not a missing feature
-                    raise ValueError(fb.detail) from None
-                raise _unsupported(fb.reason, fb.detail) from None
+        except PagedFallback as fb:
+            if fb.reason == "max_model_len":  # the caller can fix it: not a missing feature
+                raise ValueError(fb.detail) from None
+            if fb.reason == "reentrant":
+                raise RuntimeError(_HELD) from None
+            raise _unsupported(fb) from None
 
     @property
     def skeleton(self):
@@ -315,21 +314,10 @@ class PagedModelForCausalLM:
         Raises:
             RuntimeError: this thread already holds it.
         """
-        self._check_not_held()
-        with self._lock:
-            self._holder = threading.get_ident()
-            try:
-                yield self.engine
-            finally:
-                self._holder = None
-
-    def _check_not_held(self) -> None:
-        if self._holder == threading.get_ident():
-            raise RuntimeError(
-                "PagedModelForCausalLM.generate was called while this thread is still iterating "
-                "a pipeline over this model (its engine runs that pipeline's requests): finish "
-                "or close that iteration first, or use a second model object"
-            )
+        if self._owner.held_here:
+            raise RuntimeError(_HELD)
+        with self._owner.hold():
+            yield self.engine
 
     def _check_switches(self, backend, paged_config) -> None:
         if backend not in (None, "paged"):
@@ -368,9 +356,16 @@ class PagedModelForCausalLM:
         self.close()
 
 
-def _unsupported(reason: str, detail: str) -> NotImplementedError:
+_HELD = (
+    "PagedModelForCausalLM.generate was called while this thread is still iterating a pipeline "
+    "over this model (its engine runs that pipeline's requests): finish or close that iteration "
+    "first, or use a second model object"
+)
+
+
+def _unsupported(fb: PagedFallback) -> NotImplementedError:
     return NotImplementedError(
-        f"PagedModelForCausalLM.generate cannot run this call: {detail} [{reason}]. The paged "
+        f"PagedModelForCausalLM.generate cannot run this call: {fb.detail} [{fb.reason}]. The paged "
         "engine does not implement it and there are no HF weights to fall back on; load the "
         "model with AutoModelForCausalLM for such calls"
     )

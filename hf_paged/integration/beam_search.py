@@ -40,7 +40,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.request import EngineRequest, RequestGroup
-from hf_paged.integration.prepare import PagedFallback, PreparedCall, check_fits
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.plan import check_fits
+from hf_paged.integration.prepare import PreparedCall
 
 
 def generate_beams(model, engine, call: PreparedCall):
@@ -74,8 +76,9 @@ def check_beams_fit(call: PreparedCall, engine) -> None:
         raise PagedFallback("streamer", "a streamer with beams is passed to the model by stock")
     if not hasattr(engine, "provide_beams"):
         raise PagedFallback("beam_search", f"{type(engine).__name__} has no provide_beams")
-    check_fits(call, engine, native=True)  # only the max_model_len check: KV is checked here
-    k, max_new, bs = gen.num_beams, call.max_new_tokens, engine.config.kv_block_size
+    # only the max_model_len check: KV is checked here
+    check_fits(call.prompts, call.max_new_tokens, engine.runtime, native=True)
+    k, max_new, bs = gen.num_beams, call.max_new_tokens, engine.runtime.config.kv_block_size
     tail = (k - 1) * (math.ceil(max_new / bs) + 1)
     need = max(math.ceil((len(p) + max_new) / bs) for p in call.prompts) + tail
     if need > engine.runtime.num_kv_blocks:

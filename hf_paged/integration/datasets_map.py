@@ -36,9 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_paged.engine.request import budget
-from hf_paged.integration import dispatch
-from hf_paged.integration import generate as _generate
-from hf_paged.integration.sampling import native_plan
+from hf_paged.integration import dispatch, paged_call, servable
+from hf_paged.integration.fallback import PagedFallback
 
 
 def paged_generate_map(
@@ -110,9 +109,9 @@ class PagedGenerateMap:
         if tokenizer is None:
             raise ValueError("tokenizer=None is not allowed here: pass the model's tokenizer")
         if not self._paged:
-            reason = dispatch.precheck(model, {}, {})
-            if reason is not None:
-                raise ValueError(f"this model can't run on the paged engine: {reason[1]}")
+            fb = servable.precheck(model, {}, {})
+            if fb is not None:
+                raise ValueError(f"this model can't run on the paged engine: {fb.detail}")
         self.tokenizer = tokenizer
         self.column = column
         self.output_column = output_column
@@ -169,28 +168,27 @@ class PagedGenerateMap:
         return dispatch.get_engine(self.model, self._paged_config)
 
     def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        engine = self._engine()
+        plans = paged_call.PlanCache()  # rows with the same options are prepared once
         try:
-            calls = [self._prepare(p) for p in prompts]
-            engine = self._engine()
-            # as generate_paged: a call that observes steps (streamer, scores) samples outside
-            plans = [
-                None if c.observed else native_plan(c, engine.runtime.vocab_size) for c in calls
+            calls = [
+                paged_call.plan_generate(self._prep_model(), engine.runtime, self._kwargs(p), plans)
+                for p in prompts
             ]
-            if any(p is None for p in plans):
-                return self._generate_padded(prompts)
-            for c in calls:
-                _generate.check_fits(c, engine, native=True)
-        except _generate.PagedFallback as fb:
+        except PagedFallback as fb:
             raise NotImplementedError(
                 f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
             ) from None
-        # one request per row, seeded as generate() seeds them; the same requests a streaming
-        # pipeline builds for its batches
-        requests = [
-            r
-            for c, plan in zip(calls, plans, strict=True)
-            for r in _generate.native_requests(c, plan)
-        ]
+        if any(_generations_per_row(c) != 1 for c in calls):
+            raise ValueError(
+                f"num_return_sequences={self.generate_kwargs.get('num_return_sequences')} is not "
+                "allowed: paged_generate_map writes one generation per row"
+            )
+        if not all(isinstance(c, paged_call.NativeCall) for c in calls):
+            # a call that observes steps (streamer, scores) samples outside the engine
+            return self._generate_padded(prompts)
+        # one request per row, seeded as generate() seeds them
+        requests = [c.requests[0] for c in calls]
         total = sum(budget(r.params) for r in requests)
         # disable=None: no bar when stderr is not a terminal, so logs get no cursor-up codes
         # from a bar nested under Dataset.map's own
@@ -202,22 +200,15 @@ class PagedGenerateMap:
             bar.close()
         return [o.outputs[0].token_ids for o in outs]
 
-    def _prepare(self, prompt: list[int]):
-        """Stock's preparation of ``generate`` for this row alone: defaults, validation,
-        processors, criteria (no model run)."""
+    def _kwargs(self, prompt: list[int]) -> dict:
+        """``generate``'s keywords for this row alone (stock prepares them: defaults,
+        validation, processors, criteria; no model run)."""
         device = self.model.device
-        call = _generate.prepare_call(
-            self._prep_model(),
-            torch.tensor([prompt], device=device),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+        return {
+            "input_ids": torch.tensor([prompt], device=device),
+            "attention_mask": torch.ones(1, len(prompt), dtype=torch.long, device=device),
             **self.generate_kwargs,
-        )
-        if call.generation_config.num_return_sequences != 1:  # (beams: rows = num_beams)
-            raise ValueError(
-                f"num_return_sequences={call.generation_config.num_return_sequences} is not "
-                "allowed: paged_generate_map writes one generation per row"
-            )
-        return call
+        }
 
     def _generate_padded(self, prompts: list[list[int]]) -> list[list[int]]:
         """One left-padded paged ``generate`` call for the whole map batch."""
@@ -252,6 +243,13 @@ class PagedGenerateMap:
     def __reduce__(self):
         # datasets hashes the map function by pickling it: hash a token, never the model
         return (_unpicklable, (self._token,))
+
+
+def _generations_per_row(call) -> int:
+    """Outputs one row's ``generate`` call returns (a beam call's rows are its beams)."""
+    if isinstance(call, paged_call.PreparedCall):
+        return call.generation_config.num_return_sequences
+    return call.input_ids.shape[0]
 
 
 def _unpicklable(token: str):

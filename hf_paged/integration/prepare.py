@@ -5,12 +5,11 @@ In stock ``generate``'s order (``_prepare_generation_config`` -> ``_prepare_mode
 ``_prepare_generated_length`` -> ``_get_logits_processor`` / ``_get_stopping_criteria``), so
 defaults, validation errors and the processors are stock's by construction. Each row's prompt is
 its attended tokens. Anything the engine cannot reproduce raises ``PagedFallback`` here, before
-the engine is touched.
+the engine is touched. No engine here: ``plan.py`` turns a prepared call into engine requests.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,8 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from hf_paged.integration.fallback import PagedFallback
+
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 # beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
 # ``custom_generate`` code in transformers v5 and run stock
@@ -29,6 +30,7 @@ _SERVED_MODES = (
     GenerationMode.SAMPLE,
     GenerationMode.BEAM_SEARCH,
     GenerationMode.BEAM_SAMPLE,
+    GenerationMode.ASSISTED_GENERATION,
 )
 
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
@@ -36,20 +38,11 @@ _SERVED_MODES = (
 _MODEL_KWARGS = frozenset({"attention_mask", "use_cache", "logits_to_keep"})
 
 
-class PagedFallback(Exception):
-    """This call must run stock ``generate``. ``reason`` is a short key (one warning per key per
-    process); ``detail`` says why in words."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
 @dataclass
 class PreparedCall:
     """One generate call, prepared as stock prepares it (rows already repeated for
-    ``num_return_sequences``)."""
+    ``num_return_sequences``, or ``num_beams`` for beams). Derived values are computed once,
+    here."""
 
     input_ids: torch.Tensor  # [B, L] as given, padding included
     prompts: list[list[int]]  # per row: the attended tokens (the engine's prompt)
@@ -60,34 +53,13 @@ class PreparedCall:
     user_processors: bool  # the caller passed logits processors: they see every row's logits
     user_criteria: bool  # the caller passed stopping criteria
     left_padded: bool  # every row is [pads..., tokens...]
-
-    @property
-    def wants_scores(self) -> bool:
-        gen = self.generation_config
-        return bool(gen.return_dict_in_generate and (gen.output_scores or gen.output_logits))
-
-    @property
-    def observed(self) -> bool:
-        """The caller sees every step (so the engine must not sample on its own)."""
-        return (
-            self.user_processors
-            or self.user_criteria
-            or self.streamer is not None
-            or self.wants_scores
-        )
-
-    @property
-    def max_new_tokens(self) -> int:
-        """Steps stock's loop runs at most (at least one; a user MaxLengthCriteria wins)."""
-        max_length = self.criteria.max_length
-        if max_length is None:
-            max_length = self.generation_config.max_length
-        return max(1, max_length - self.input_ids.shape[1])
-
-    @property
-    def pad_token_id(self) -> int | None:
-        pad = self.generation_config._pad_token_tensor
-        return None if pad is None else int(pad)
+    wants_scores: bool  # return_dict_in_generate with output_scores or output_logits
+    observed: bool  # the caller sees every step (so the engine must not sample on its own)
+    max_new_tokens: int  # steps stock's loop runs at most (>= 1; a user MaxLengthCriteria wins)
+    pad_token_id: int | None
+    assisted: bool = False  # assisted decoding (prompt lookup or an assistant model)
+    assistant_model: object | None = None
+    beams: bool = False  # beam search or beam sampling (num_beams > 1; ``beam_search.py``)
 
 
 def prepare_call(
@@ -98,6 +70,7 @@ def prepare_call(
     stopping_criteria=None,
     prefix_allowed_tokens_fn=None,
     streamer=None,
+    assistant_model=None,
     **kwargs,
 ) -> PreparedCall:
     """Stock ``generate``'s steps 1-8 for a decoder-only call, without running the model.
@@ -115,10 +88,12 @@ def prepare_call(
         for name in ("max_length", "min_length")
     }
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    _check_generation_config(gen)
+    mode = gen.get_generation_mode(assistant_model)
+    _check_generation_config(gen, mode)
     model._validate_model_kwargs(model_kwargs.copy())
-    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer)) if v}
-    model._validate_generation_mode(gen.get_generation_mode(None), gen, mode_kwargs)
+    mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
+                                     ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
+    model._validate_generation_mode(mode, gen, mode_kwargs)
     inputs_tensor, mask = _prepare_prompt(model, gen, inputs, model_kwargs)
 
     input_ids, expanded = model._expand_inputs_for_generation(
@@ -155,6 +130,11 @@ def prepare_call(
         tokenizer=tokenizer,
     )
     keep = mask.bool()
+    # transformers' own max-length / EOS / stop-string criteria are planned natively
+    user_criteria = any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ())
+    wants_scores = bool(gen.return_dict_in_generate and (gen.output_scores or gen.output_logits))
+    max_length = criteria.max_length if criteria.max_length is not None else gen.max_length
+    pad = gen._pad_token_tensor
     return PreparedCall(
         input_ids=input_ids,
         prompts=[row[k].tolist() for row, k in zip(input_ids, keep, strict=True)],
@@ -163,9 +143,15 @@ def prepare_call(
         criteria=criteria,
         streamer=streamer,
         user_processors=bool(logits_processor),
-        # transformers' own max-length / EOS / stop-string criteria are planned natively
-        user_criteria=any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ()),
+        user_criteria=user_criteria,
         left_padded=bool((keep[:, 1:] >= keep[:, :-1]).all()),
+        wants_scores=wants_scores,
+        observed=bool(logits_processor) or user_criteria or streamer is not None or wants_scores,
+        max_new_tokens=max(1, max_length - length),
+        pad_token_id=None if pad is None else int(pad),
+        assisted=mode == GenerationMode.ASSISTED_GENERATION,
+        assistant_model=assistant_model,
+        beams=mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE),
     )
 
 
@@ -199,8 +185,7 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
     return inputs_tensor, mask
 
 
-def _check_generation_config(gen) -> None:
-    mode = gen.get_generation_mode(None)
+def _check_generation_config(gen, mode) -> None:
     if mode not in _SERVED_MODES:
         raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
@@ -210,34 +195,3 @@ def _check_generation_config(gen) -> None:
         raise PagedFallback("guidance_scale", "classifier-free guidance runs a second model pass")
     if getattr(gen, "token_healing", False):
         raise PagedFallback("token_healing", "token_healing rewrites the prompt")
-
-
-def check_fits(call: PreparedCall, engine, native: bool) -> None:
-    """PagedFallback when the engine would cut a row short or (external path) could not hold
-    the whole batch's KV at once."""
-    max_new = call.max_new_tokens
-    prompt = max(len(p) for p in call.prompts)
-    limit = engine.runtime.max_model_len
-    if prompt + max_new > limit:
-        fix = (
-            f"pass max_new_tokens <= {limit - prompt}"
-            if prompt < limit
-            else f"shorten the prompt below {limit} tokens"
-        )
-        raise PagedFallback(
-            "max_model_len",
-            f"a row may reach {prompt + max_new} tokens (longest prompt {prompt} + "
-            f"max_new_tokens={max_new}), over the engine's max_model_len={limit}: {fix}, "
-            "or build the engine with a larger max_model_len",
-        )
-    if native:
-        return
-    block = engine.config.kv_block_size
-    need = sum(math.ceil((len(p) + max_new) / block) for p in call.prompts)
-    if need > engine.runtime.num_kv_blocks:
-        # every row of a step must be paused at once holding its KV; more would thrash
-        raise PagedFallback(
-            "kv_cache",
-            f"the batch needs up to {need} KV blocks at once, the engine has "
-            f"{engine.runtime.num_kv_blocks}",
-        )

@@ -60,10 +60,11 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in dtypes or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    cache_ok = (q.dtype, torch.float8_e4m3fn)  # an fp8 cache is read back in q's dtype
+    if q.dtype not in dtypes or k_cache.dtype not in cache_ok or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"q/cache dtypes must match and be fp16/bf16/fp32: {q.dtype}, {k_cache.dtype}, "
-            f"{v_cache.dtype}"
+            f"q must be fp16/bf16/fp32 and the caches of its dtype or float8_e4m3fn: {q.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
         )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("head_dim must be the contiguous dim of q and the caches")

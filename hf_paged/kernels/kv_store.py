@@ -26,11 +26,21 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
-    """Torch reference of :func:`store_kvcache`; writes in place."""
+    """Torch reference of :func:`store_kvcache`; writes in place. A float8 cache (scale 1.0)
+    stores values clamped to +-448 (out-of-range values would become NaN)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = _to_cache(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = _to_cache(v[keep], v_cache.dtype)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 if triton is not None:
@@ -60,6 +70,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
+        FP8_CACHE: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
@@ -74,11 +85,15 @@ if triton is not None:
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
         dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+        if FP8_CACHE:  # scale 1.0: clamp into e4m3's range, then round
+            k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         mask_v = (h < num_kv_heads) & (dv < HEAD_DIM_V)
         v = tl.load(v_ptr + token * stride_vt + h * stride_vh + dv, mask=mask_v)
         dst_v = block * stride_vcb + offset * stride_vcs + h * stride_vch + dv
+        if FP8_CACHE:
+            v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
         tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -136,6 +151,7 @@ def store_kvcache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
         **pdl_kwargs(k),
     )

@@ -175,6 +175,7 @@ if triton is not None:
             kv_off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
             k = load_tile(k_cache_ptr + kv_off[None, :] + d[:, None], valid[None, :],
                           (d < HEAD_DIM)[:, None], True, BLOCK_D != HEAD_DIM)  # fmt: skip
+            k = k.to(q.dtype)  # an fp8 cache (scale 1.0) is read back in q's dtype; else a no-op
             qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, TILE_N]
             rel = (k_pos - (ctx - 1)).to(tl.float32)[None, :]
             s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2,
@@ -189,6 +190,7 @@ if triton is not None:
                 v_off = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + v_head_off
             v = load_tile(v_cache_ptr + v_off[:, None] + dv[None, :], valid[:, None],
                           (dv < HEAD_DIM_V)[None, :], True, BLOCK_DV != HEAD_DIM_V)  # fmt: skip
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 

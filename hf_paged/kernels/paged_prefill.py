@@ -125,7 +125,7 @@ if triton is not None:
             (d < HEAD_DIM)[:, None],
             MASK,
             BLOCK_D != HEAD_DIM,
-        )  # [D, TILE_N]
+        ).to(q.dtype)  # [D, TILE_N]; an fp8 cache (scale 1.0) is read in q's dtype
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
         rel = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI,
@@ -148,7 +148,7 @@ if triton is not None:
             (dv < HEAD_DIM_V)[None, :],
             MASK,
             BLOCK_DV != HEAD_DIM_V,
-        )  # [TILE_N, Dv]
+        ).to(q.dtype)  # [TILE_N, Dv]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 

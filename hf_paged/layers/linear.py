@@ -13,6 +13,11 @@ loaded for the parameter to be complete.
 
 Parameters are allocated with ``torch.empty`` in the current default dtype/device (no init work);
 the caller scopes those (see ``hf_paged.models.registry.build_model``).
+
+``quant`` (an ``hf_paged.layers.quantization.Fp8Config``) makes a layer FP8: its weight is
+float8_e4m3fn, it gains the checkpoint's scale parameters, and its GEMM is the FP8 one
+(``layers/quantization/fp8_linear.py``). Every loader shards through ``shard_slice``, so the
+scales follow the rows / columns of the weight they scale.
 """
 
 from __future__ import annotations
@@ -24,39 +29,8 @@ from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.kernels.skinny_gemm import linear
-
-
-def loaded_shape(loaded: Any) -> tuple[int, ...]:
-    """Shape of a tensor or of a lazy safetensors slice, without reading it."""
-    if isinstance(loaded, torch.Tensor):
-        return tuple(loaded.shape)
-    return tuple(loaded.get_shape())
-
-
-def read_shard(loaded: Any, dim: int | None = None, start: int = 0, size: int = 0) -> torch.Tensor:
-    """Read ``loaded[start:start+size]`` along ``dim`` (dim 0 or 1), or all of it (dim None).
-
-    Works for tensors (returns a view) and safetensors slices (reads only that range).
-    """
-    if dim is None:
-        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
-    if dim == 0:
-        return loaded[start : start + size]
-    if dim == 1:
-        return loaded[:, start : start + size]
-    raise ValueError(f"dim={dim} is not supported: must be None, 0 or 1")
-
-
-def check_shape(loaded: Any, expected: tuple[int, ...]) -> None:
-    shape = loaded_shape(loaded)
-    if shape != tuple(expected):
-        raise ValueError(f"checkpoint tensor has shape {list(shape)}, expected {list(expected)}")
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator != 0:
-        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
-    return numerator // denominator
+from hf_paged.layers.quantization.fp8_linear import Fp8LinearMethod
+from hf_paged.layers.shard import ShardSlice, check_shape, divide, read_shard
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -67,7 +41,12 @@ class LinearBase(nn.Module):
     """Holds ``weight`` [out_per_rank, in_per_rank] and optional ``bias``; subclasses shard."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        comm: Communicator | None = None,
+        quant=None,
     ):
         super().__init__()
         self.comm = comm or Communicator()
@@ -82,12 +61,45 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.quant_method = None
+        if quant is not None:  # FP8: float8 weight, scale parameters, the FP8 GEMM
+            self.quant_method = Fp8LinearMethod(quant)
+            self.quant_method.create_weights(self)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
+        """Where checkpoint tensor ``shard_id`` lands on this rank (subclasses shard)."""
         raise NotImplementedError
 
+    def shard_ids(self) -> tuple:
+        """The checkpoint tensors the layer fuses, in order ((None,): one unfused tensor)."""
+        return (None,)
+
+    def _set_shard_ids(self, shard_ids: tuple) -> None:
+        """Every parameter of a fused layer is complete once each of ``shard_ids`` loaded."""
+        for param in self.parameters(recurse=False):
+            param.shard_ids = shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """Copy this rank's part of ``loaded`` (a full tensor or lazy slice) into ``param``."""
+        s = self.shard_slice(shard_id)
+        if s.dim is None or (param.dim() == 1 and s.dim == 1):  # replicated (a row bias)
+            check_shape(loaded, param.shape)
+            param.data.copy_(read_shard(loaded))
+            return
+        full = list(param.shape)
+        full[s.dim] = s.full
+        check_shape(loaded, tuple(full))
+        dst = param.data.narrow(s.dim, s.dst, s.size)
+        dst.copy_(read_shard(loaded, s.dim, s.src, s.size))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``: [T, in] -> [T, out], FP8 when the layer is."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -99,26 +111,29 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Full weight on every rank."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        check_shape(loaded, param.shape)
-        param.data.copy_(read_shard(loaded))
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
+        return ShardSlice(None, 0, 0, self.output_size, self.output_size)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split evenly: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        comm: Communicator | None = None,
+        quant=None,
     ):
         tp_size = comm.world_size if comm is not None else 1
         self.full_output_size = output_size
-        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, comm)
+        size = divide(output_size, tp_size, "output_size")
+        super().__init__(input_size, size, bias, comm, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        full = (self.full_output_size, *param.shape[1:])
-        check_shape(loaded, full)
-        size = param.shape[0]
-        param.data.copy_(read_shard(loaded, 0, self.tp_rank * size, size))
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
+        size = self.output_size
+        return ShardSlice(0, 0, self.tp_rank * size, size, self.full_output_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -134,24 +149,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         bias: bool,
         comm: Communicator | None = None,
+        quant=None,
     ):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, comm)
         for size in self.output_sizes:
-            divide(size, self.tp_size, "output_sizes[i]")
-        self.weight.shard_ids = tuple(range(len(output_sizes)))
-        if self.bias is not None:
-            self.bias.shard_ids = self.weight.shard_ids
+            divide(size, comm.world_size if comm is not None else 1, "output_sizes[i]")
+        super().__init__(input_size, sum(output_sizes), bias, comm, quant)
+        self._set_shard_ids(self.shard_ids())
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if shard_id not in param.shard_ids:
-            raise ValueError(
-                f"shard_id={shard_id!r} is not allowed: must be one of {param.shard_ids}"
-            )
-        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+    def shard_ids(self) -> tuple:
+        return tuple(range(len(self.output_sizes)))
+
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
+        ids = tuple(range(len(self.output_sizes)))
+        if shard_id not in ids:
+            raise ValueError(f"shard_id={shard_id!r} is not allowed: must be one of {ids}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        param.data[offset : offset + size].copy_(read_shard(loaded, 0, self.tp_rank * size, size))
+        return ShardSlice(0, offset, self.tp_rank * size, size, self.output_sizes[shard_id])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -171,6 +186,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool,
         comm: Communicator | None = None,
+        quant=None,
     ):
         tp_size = comm.world_size if comm is not None else 1
         self.head_size = head_size
@@ -187,10 +203,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                 )
             self.num_kv_heads = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
-        super().__init__(hidden_size, output_size, bias, comm)
-        self.weight.shard_ids = ("q", "k", "v")
-        if self.bias is not None:
-            self.bias.shard_ids = self.weight.shard_ids
+        super().__init__(hidden_size, output_size, bias, comm, quant)
+        self._set_shard_ids(self.shard_ids())
+
+    def shard_ids(self) -> tuple:
+        return ("q", "k", "v")
 
     @property
     def q_size(self) -> int:  # per rank
@@ -200,7 +217,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:  # per rank
         return self.num_kv_heads * self.head_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
         d = self.head_size
         if shard_id == "q":
             offset, size, total = 0, self.q_size, self.total_num_heads * d
@@ -212,8 +229,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             start = (self.tp_rank * self.total_num_kv_heads // self.tp_size) * d
         else:
             raise ValueError(f"shard_id={shard_id!r} is not allowed: must be 'q', 'k' or 'v'")
-        check_shape(loaded, (total, *param.shape[1:]))
-        param.data[offset : offset + size].copy_(read_shard(loaded, 0, start, size))
+        return ShardSlice(0, offset, start, size, total)
 
 
 class RowParallelLinear(LinearBase):
@@ -223,23 +239,24 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, comm: Communicator | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        comm: Communicator | None = None,
+        quant=None,
     ):
         tp_size = comm.world_size if comm is not None else 1
         self.full_input_size = input_size
-        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, comm)
+        size = divide(input_size, tp_size, "input_size")
+        super().__init__(size, output_size, bias, comm, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if param.dim() == 1:  # bias: replicated
-            check_shape(loaded, param.shape)
-            param.data.copy_(read_shard(loaded))
-            return
-        check_shape(loaded, (param.shape[0], self.full_input_size))
-        size = param.shape[1]
-        param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
+    def shard_slice(self, shard_id: Any = None) -> ShardSlice:
+        size = self.input_size
+        return ShardSlice(1, 0, self.tp_rank * size, size, self.full_input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
-        y = linear(x, self.weight)
+        y = self.matmul(x, None)
         y = self.comm.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

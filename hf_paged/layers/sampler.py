@@ -239,6 +239,51 @@ def random_sample(
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
+def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, per row (the rows of sampled requests).
+
+    Args:
+        logits: [S, V] float32 penalised logits.
+        params: S sampling params, none greedy.
+    Returns:
+        [S, V] float32: filtered tokens at -inf; its softmax is what the row samples from.
+    """
+    dev, v = logits.device, logits.shape[-1]
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = top_p = min_p = None
+    if any(0 < p.top_k < v for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+    return apply_top_k_top_p_min_p(logits / temp[:, None], top_k, top_p, min_p)
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row's next token is drawn from, as ``Sampler`` draws it.
+
+    Args:
+        logits: [B, V] raw logits (any float dtype).
+        meta: B rows.
+    Returns:
+        [B, V] float32: penalties, then for sampled rows the softmax of ``warp``; a greedy row
+        is one-hot at its argmax.
+    """
+    logits = apply_penalties(logits.float(), meta)
+    probs = torch.zeros_like(logits)
+    greedy = [i for i, p in enumerate(meta.params) if p.greedy]
+    sampled = [i for i, p in enumerate(meta.params) if not p.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx, argmax_rows(logits.index_select(0, idx))] = 1.0
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        rows = warp(logits.index_select(0, idx), [meta.params[i] for i in sampled])
+        probs[idx] = rows.softmax(dim=-1)
+    return probs
+
+
 class Sampler(torch.nn.Module):
     """Next token per row from ``[B, V]`` logits; see the module docstring for the order."""
 
@@ -267,26 +312,17 @@ class Sampler(torch.nn.Module):
         if sample_rows:
             idx = torch.tensor(sample_rows, device=dev) if len(sample_rows) < b else None
             rows = logits if idx is None else logits.index_select(0, idx)  # [S, V]
-            sp = [params[i] for i in sample_rows]
-            temp = torch.tensor([p.temperature for p in sp], device=dev)
-            top_k = top_p = min_p = None
-            if any(0 < p.top_k < v for p in sp):
-                top_k = torch.tensor([p.top_k for p in sp], device=dev)
-            if any(p.top_p < 1.0 for p in sp):
-                top_p = torch.tensor([p.top_p for p in sp], device=dev)
-            if any(p.min_p > 0.0 for p in sp):
-                min_p = torch.tensor([p.min_p for p in sp], device=dev)
-            rows = apply_top_k_top_p_min_p(rows / temp[:, None], top_k, top_p, min_p)
+            rows = warp(rows, [params[i] for i in sample_rows])
             gens = [meta.generators[i] for i in sample_rows]
             sampled = random_sample(rows.softmax(dim=-1), gens, self.generator)  # [S]
             token_ids = sampled if token_ids is None else token_ids.index_copy(0, idx, sampled)
         logprobs = None
         if any(p.logprobs is not None for p in params):
-            logprobs = _logprobs(logits, token_ids, params)
+            logprobs = token_logprobs(logits, token_ids, params)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
-def _logprobs(
+def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
 ) -> list[tuple[float, dict[int, float]] | None]:
     """Per asking row (sampled token's logprob, {top-k id: logprob}) from the penalised logits."""

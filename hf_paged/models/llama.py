@@ -21,6 +21,7 @@ is cheap and the caller picks both (``hf_paged.models.registry.build_model`` sco
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from hf_paged.layers.quantization.fp8_config import fp8_config_of, layer_quant
 from hf_paged.layers.rotary import RotaryEmbedding
 from hf_paged.models import loader
 
@@ -47,6 +49,7 @@ class DecoderOptions:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, before rope
     sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
+    quant: object = None  # the checkpoint's Fp8Config, or None for plain weights
 
 
 def head_dim_of(hf_config) -> int:
@@ -67,6 +70,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, hf_config, opts: DecoderOptions, layer_idx: int, ctx: ModelContext):
         super().__init__()
         head_dim = head_dim_of(hf_config)
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        qkv = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = QKVParallelLinear(
             hf_config.hidden_size,
             head_dim,
@@ -74,12 +79,14 @@ class LlamaAttention(nn.Module):
             hf_config.num_key_value_heads,
             bias=opts.qkv_bias,
             comm=ctx.comm,
+            quant=layer_quant(opts.quant, qkv),
         )
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * head_dim,
             hf_config.hidden_size,
             bias=opts.o_bias,
             comm=ctx.comm,
+            quant=layer_quant(opts.quant, [prefix + "o_proj"]),
         )
         if opts.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=hf_config.rms_norm_eps)
@@ -114,17 +121,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, opts: DecoderOptions, ctx: ModelContext):
+    def __init__(self, hf_config, opts: DecoderOptions, ctx: ModelContext, layer_idx: int = 0):
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported: must be 'silu'")
         inter = hf_config.intermediate_size
+        prefix = f"model.layers.{layer_idx}.mlp."
+        gate_up = layer_quant(opts.quant, [prefix + "gate_proj", prefix + "up_proj"])
         self.gate_up_proj = MergedColumnParallelLinear(
-            hf_config.hidden_size, [inter, inter], bias=opts.mlp_bias, comm=ctx.comm
+            hf_config.hidden_size, [inter, inter], bias=opts.mlp_bias, comm=ctx.comm, quant=gate_up
         )
+        down = layer_quant(opts.quant, [prefix + "down_proj"])
         self.down_proj = RowParallelLinear(
-            inter, hf_config.hidden_size, bias=opts.mlp_bias, comm=ctx.comm
+            inter, hf_config.hidden_size, bias=opts.mlp_bias, comm=ctx.comm, quant=down
         )
         self.act_fn = SiluAndMul()
 
@@ -136,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, opts: DecoderOptions, layer_idx: int, ctx: ModelContext):
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, opts, layer_idx, ctx)
-        self.mlp = LlamaMLP(hf_config, opts, ctx)
+        self.mlp = LlamaMLP(hf_config, opts, ctx, layer_idx)
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
@@ -213,7 +223,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, ctx: ModelContext):
         super().__init__()
         self.hf_config = hf_config
-        self.options = self.decoder_options(hf_config)
+        # FP8 checkpoints: the quantized linears get float8 weights and their scales
+        self.options = dataclasses.replace(
+            self.decoder_options(hf_config), quant=fp8_config_of(hf_config)
+        )
         self.model = LlamaModel(hf_config, self.options, ctx)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, comm=ctx.comm)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

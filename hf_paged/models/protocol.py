@@ -17,6 +17,11 @@ from hf_paged.attention.base import AttentionMetadata
 from hf_paged.attention.kv_cache import KVCacheSpec
 
 
+class UnsupportedModelError(ValueError):
+    """A model path cannot reproduce this model exactly; the message says why (the integration
+    turns it into a named fallback to stock)."""
+
+
 @runtime_checkable
 class PagedModel(Protocol):
     """What the ModelRunner needs from a model path; the engine touches nothing else.

@@ -145,6 +145,31 @@ def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> 
     return None
 
 
+def tp_split_problem(hf_config, tp_size: int) -> str | None:
+    """Why a model's attention heads do not split over ``tp_size`` ranks (None: they do), judged
+    from the config alone, before any worker starts. Query heads must divide evenly; KV heads
+    divide evenly or, when fewer than the ranks, replicate (``tp_size`` a multiple of them)."""
+    if tp_size == 1:
+        return None
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return None  # the model path says what it needs when it is built
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+
+    def fits(t: int) -> bool:
+        return heads % t == 0 and (kv % t == 0 if kv >= t else t % kv == 0)
+
+    if fits(tp_size):
+        return None
+    sizes = [t for t in range(1, heads + 1) if fits(t)]
+    return (
+        f"tensor_parallel_size={tp_size} is not allowed for this model: its "
+        f"{heads} attention heads and {kv} KV heads do not split over {tp_size} ranks; "
+        f"tensor_parallel_size must be one of {sizes}"
+    )
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Scope ``torch.set_default_dtype``; the previous default is restored on exit."""

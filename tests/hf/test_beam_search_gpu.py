@@ -12,7 +12,7 @@ import torch
 
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.integration import dispatch
-from hf_paged.integration.dispatch import PagedFallbackWarning
+from hf_paged.integration.fallback import PagedFallbackWarning
 from hf_paged.testing import build_hf_model
 
 pytestmark = pytest.mark.gpu

@@ -19,10 +19,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from hf_paged import envs
 from hf_paged.integration import dispatch
-from hf_paged.integration.dispatch import PagedFallbackWarning
-from hf_paged.integration.prepare import PagedFallback, prepare_call
+from hf_paged.integration.fallback import PagedFallback, PagedFallbackWarning
+from hf_paged.integration.prepare import prepare_call
 from hf_paged.testing import build_hf_model
 
 NEW = 10
@@ -31,25 +30,6 @@ ROOMY = dict(ENGINE, num_kv_blocks=256)
 # per num_beams, blocks of 4 tokens such that one row's beams fit (the fallback bound) but a
 # batch's beams do not (16 is the fewest max_model_len=64 allows)
 TIGHT = {k: dict(ENGINE, num_kv_blocks=n, max_model_len=64) for k, n in ((2, 16), (4, 24), (8, 40))}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def clean_dispatch(monkeypatch):
-    dispatch.install()
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    envs.reset()
-    dispatch.set_default_backend(None)
-    dispatch._reset_fallback_warnings()  # every test sees its own fallbacks
-    yield
-    envs.reset()
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,15 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from hf_paged.integration import dispatch
-from hf_paged.integration import generate as paged_generate
-from tests.helpers import build_hf_model
-from tests.integration.parity_utils import (
+from hf_paged.integration import dispatch, paged_call
+from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.testing import (
     SMALL_ENGINE,
-    build_tokenizer,
+    build_hf_model,
     fallback_warnings,
     left_pad,
     make_prompts,
+    tiny_tokenizer,
 )
 
 EXAMPLES = 40
@@ -49,7 +49,7 @@ def model():
     m = build_hf_model("llama", seed=0)
     dispatch.configure(m, **SMALL_ENGINE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_generate, "plan_call", _counting(paged_generate.plan_call))
+        patch.setattr(paged_call, "plan_call", _counting(paged_call.plan_call))
         yield m
     dispatch.release(m)
     torch.set_num_threads(previous)
@@ -58,17 +58,17 @@ def model():
 def _counting(plan_call):
     """``plan_call`` that tallies which sampling path (engine-native or external) each call took."""
 
-    def wrapped(call, engine):
-        plan = plan_call(call, engine)
-        TALLY["external" if plan is None else "native"] += 1
-        return plan
+    def wrapped(call, runtime, plan=None):
+        native = plan_call(call, runtime, plan)
+        TALLY["external" if native is None else "native"] += 1
+        return native
 
     return wrapped
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tokenizer()
+    return tiny_tokenizer()
 
 
 def _tokens(draw, pool, low=1, high=3):
@@ -153,7 +153,7 @@ def _call(model, paged: bool, kwargs):
 
 def _engine_queries(model) -> int:
     """Prompt tokens the model's engine has looked up in its prefix cache (0 before it exists)."""
-    slot = model.__dict__.get(dispatch._SLOT_ATTR)
+    slot = existing_owner(model)
     engine = slot.engine if slot is not None else None
     return 0 if engine is None else engine.stats["prefix_cache_query_tokens"]
 

@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.testing import build_hf_model, save_tiny_model
-from tests.reliability.procfs import fd_targets, shm_files
+from hf_paged.testing.procfs import fd_targets, shm_files
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = dict(max_model_len=64, kv_block_size=4, num_kv_blocks=256, max_num_seqs=64)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hf_paged.testing import save_tiny_model
-from tests.reliability.procfs import fd_targets
+from hf_paged.testing.procfs import fd_targets, pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # from the fixture start; the scenarios end in 10-40 s on 2 idle cores
@@ -153,14 +153,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _orphan_run(model: str, result: dict) -> None:
     # Kill the parent as soon as its first worker exists: the worker is still importing torch.
     # No pipes: an orphan would hold them open (communicate() would wait on it).
@@ -176,10 +168,10 @@ def _orphan_run(model: str, result: dict) -> None:
     parent.wait()
     t0 = time.monotonic()
     # It notices once spawn has imported the main module (torch): seconds on idle cores.
-    while any(_alive(p) for p in workers) and time.monotonic() - t0 < 90:
+    while any(pid_alive(p) for p in workers) and time.monotonic() - t0 < 90:
         time.sleep(0.1)
     result["workers"] = workers
-    result["alive"] = [p for p in workers if _alive(p)]
+    result["alive"] = [p for p in workers if pid_alive(p)]
     result["seconds"] = time.monotonic() - t0
     for pid in result["alive"]:
         os.kill(pid, signal.SIGKILL)
@@ -216,7 +208,7 @@ def test_fd_helper_sees_sockets():
     """The /proc reader itself: a listening socket of this process is found."""
     import socket
 
-    from tests.reliability.procfs import listening_sockets
+    from hf_paged.testing.procfs import listening_sockets
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ def report(**values) -> None:
 
 def sem_entries() -> set[str]:
     """Named semaphores this process holds (other processes' entries do not count)."""
-    from tests.reliability.procfs import shm_files
+    from hf_paged.testing.procfs import shm_files
 
     return {f for f in shm_files(os.getpid()) if "/sem." in f}
 
@@ -143,7 +143,7 @@ def shm_reader_killed(_model: str) -> None:
 
 def security(model: str) -> None:
     """Fault 5: what the engine listens on and keeps in /dev/shm, before and after close()."""
-    from tests.reliability.procfs import fd_targets, listening_sockets, shm_files
+    from hf_paged.testing.procfs import fd_targets, listening_sockets, shm_files
 
     _process_wide_state()
     base_fds = fd_targets(os.getpid())

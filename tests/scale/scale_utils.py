@@ -19,7 +19,7 @@ def make_model(root) -> str:
     return save_demo_model(str(root / "model"), seed=3)
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
+def text_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct prompts of 1 to 30 characters (1 and the block boundaries included)."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz ,."

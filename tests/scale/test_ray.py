@@ -24,8 +24,8 @@ from tests.scale.scale_utils import (  # noqa: E402
     GREEDY,
     SAMPLED,
     make_model,
-    make_prompts,
     reference,
+    text_prompts,
 )
 
 pytestmark = pytest.mark.ray
@@ -85,7 +85,7 @@ def rows_by_id(rows: list[dict]) -> dict:
 
 
 def test_two_replicas_equal_single_process(ray_session, model):
-    prompts = make_prompts(200)
+    prompts = text_prompts(200)
     items = [{"id": i, "prompt": p} for i, p in enumerate(prompts)]
     ds = ray.data.from_items(items, override_num_blocks=20)
     out = map_generate(
@@ -105,7 +105,7 @@ def test_actor_crash_on_first_batch_retried_exactly_once(ray_session, model, tmp
     """One tp=2 actor os._exit()s on its first batch; Ray restarts it and reruns the batch.
     Sampling with row-id seeds, the rerun batch gives the same tokens as the single-process run,
     and no engine worker outlives its actor (the crashed one or those closed at the end)."""
-    prompts = make_prompts(60, seed=1)
+    prompts = text_prompts(60, seed=1)
     ids = [f"r{i:03d}" for i in range(60)]  # string ids seed as well as ints
     ds = ray.data.from_items(
         [{"id": r, "prompt": p} for r, p in zip(ids, prompts)], override_num_blocks=6
@@ -127,7 +127,7 @@ def test_actor_crash_on_first_batch_retried_exactly_once(ray_session, model, tmp
 
 
 def test_resume_after_abort_no_duplicates(ray_session, model, tmp_path):
-    prompts = make_prompts(120, seed=2)
+    prompts = text_prompts(120, seed=2)
     src = tmp_path / "in"
     src.mkdir()
     for f in range(12):  # 12 files of 10 rows: 12 read blocks, several batches in flight
@@ -179,3 +179,28 @@ def test_output_path_refuses_in_memory_input_and_orphaned_checkpoint(ray_session
         map_generate(ds, model=model, num_replicas=0)
     with pytest.raises(ValueError, match=r"column\(s\) \['text'\]"):
         map_generate(ds, model=model, column="text")
+
+
+def test_repeated_ids_refused_before_anything_runs(ray_session, model, tmp_path):
+    """The issue's two cases: 11 rows with three ids repeated came back as 11 rows; 120 parquet
+    rows with 12 ids repeated, aborted and rerun, gave 108 (Ray's checkpoint filter skipped the
+    unfinished twin of each committed id). Now both are refused, naming the column and ids."""
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 1, 4, 6]
+    prompts = make_prompts(len(ids), seed=6)
+    ds = ray.data.from_items(
+        [{"id": i, "prompt": p} for i, p in zip(ids, prompts)], override_num_blocks=3
+    )
+    with pytest.raises(ValueError, match=r"id_column='id' has 3 id\(s\).*\[1, 4, 6\]"):
+        map_generate(ds, model=model, sampling_params=GREEDY, engine_kwargs=ENGINE)
+    src = tmp_path / "in"
+    src.mkdir()
+    rows = list(range(108)) + list(range(0, 108, 9))  # 12 ids repeated, in other files
+    for f in range(12):
+        part = rows[f * 10 : f * 10 + 10]
+        pq.write_table(pa.table({"id": part, "prompt": make_prompts(10, seed=f)}),
+                       src / f"part-{f:02d}.parquet")  # fmt: skip
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"has 12 id\(s\) that occur more than once in 120"):
+        map_generate(str(src), model=model, sampling_params=GREEDY, engine_kwargs=ENGINE,
+                     output_path=str(dst))  # fmt: skip
+    assert not dst.exists() and not (tmp_path / "out.checkpoint").exists()

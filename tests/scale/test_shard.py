@@ -17,7 +17,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
 from hf_paged.shard import shard_generate  # noqa: E402
-from tests.scale.scale_utils import ENGINE, GREEDY, SAMPLED, make_model, make_prompts, reference  # noqa: E402
+from tests.scale.scale_utils import ENGINE, GREEDY, SAMPLED, make_model, reference, text_prompts  # noqa: E402
 
 TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shard_target.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(TARGET)))
@@ -29,7 +29,7 @@ TIMEOUT_S = 180  # a regression fails the test instead of hanging CI
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("shard")
     model = make_model(root)
-    prompts = make_prompts(N_ROWS, seed=4)
+    prompts = text_prompts(N_ROWS, seed=4)
     data = str(root / "prompts.parquet")
     datasets.Dataset.from_dict({"prompt": prompts}).to_parquet(data)
     ref = reference(model, prompts, list(range(N_ROWS)), GREEDY)

@@ -27,6 +27,7 @@ from hf_paged.engine.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.tp.workers import WorkerGroup
+from hf_paged.models.registry import tp_split_problem
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -70,6 +71,9 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
+        problem = tp_split_problem(runtime.hf_config, world)
+        if problem is not None:  # said before a worker starts (each would fail the same way)
+            raise ValueError(problem)
         spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
         # The store's socket is bound here, to 127.0.0.1 only (TCPStore alone would listen on
         # every interface), and handed over: no other process can take the port in between.
@@ -95,6 +99,8 @@ class TPExecutor:
                     self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
             finally:
                 self.group.close()
+                if getattr(self, "runner", None) is not None:  # built, a worker failed after
+                    self.runner.exit()  # its memory goes back now, not when collected
             raise
         if runtime.device.startswith("cuda"):
             self.group.watch_process_group(self.runner.comm.group)

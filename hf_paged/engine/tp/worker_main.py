@@ -7,7 +7,6 @@ then runs every broadcast call until "exit".
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import signal
 import sys
@@ -60,9 +59,10 @@ def worker_main(
             getattr(target, name)(*args, **kwargs)
     except BaseException:
         text = traceback.format_exc()
-        print(f"[hf_paged worker rank {rank}] {text}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
+        try:  # rank 0 raises it (EngineDeadError); print it only when it can't be sent
             result_conn.send(("error", text))
+        except Exception:
+            print(f"[hf_paged worker rank {rank}] {text}", file=sys.stderr, flush=True)
         # Exit at once: closing our sockets makes rank 0's pending collective fail promptly.
         os._exit(1)
     reader.close()

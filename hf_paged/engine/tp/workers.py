@@ -56,12 +56,21 @@ class EngineDeadError(RuntimeError):
         self.worker_traceback = worker_traceback
         self.detail = detail
         message = f"tensor-parallel worker rank {rank} {detail}"
+        last = _last_line(worker_traceback)
+        if last:  # the worker's own error first: a one-line report shows it
+            message = f"tensor-parallel worker rank {rank} {detail}: {last}"
         if worker_traceback:
             message += f"\n\nTraceback from worker rank {rank}:\n{worker_traceback}"
         super().__init__(message)
 
     def __reduce__(self):
         return type(self), (self.rank, self.worker_traceback, self.detail)
+
+
+def _last_line(text: str | None) -> str | None:
+    """The last non-empty line of a traceback (``ValueError: ...``), or None."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines and not lines[-1].startswith("(no report") else None
 
 
 @dataclass

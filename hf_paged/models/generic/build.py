@@ -13,8 +13,10 @@ import copy
 import torch
 from torch import nn
 
+from hf_paged.layers.quantization.fp8_config import fp8_config_of
 from hf_paged.models.generic.adapters import install as install_adapters
 from hf_paged.models.generic.attention import ATTN_IMPL, register
+from hf_paged.models.generic.fp8 import install_fp8_linears
 from hf_paged.models.generic.rope import install as install_deferred_rope
 from hf_paged.models.generic.support import resolve_hf_class
 
@@ -30,6 +32,7 @@ def build_on_meta(hf_config, dtype: torch.dtype, device: torch.device) -> nn.Mod
     with torch.device("meta"), default_dtype(dtype):
         model = cls._from_config(config, attn_implementation=ATTN_IMPL, dtype=dtype)
     model.eval()
+    install_fp8_linears(model, fp8_config_of(hf_config))  # FP8 checkpoints: float8 linears
     install_adapters(model)  # attention modules that do not call AttentionInterface
     install_deferred_rope(model)  # Llama's apply_rotary_pos_emb: the paged layer rotates q/k
     materialize_buffers(model, device)

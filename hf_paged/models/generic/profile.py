@@ -26,7 +26,7 @@ import torch
 
 from hf_paged.attention.base import AttentionLayerSpec
 from hf_paged.attention.kv_cache import KVCacheSpec
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.protocol import UnsupportedModelError
 
 # kwargs HF models pass to the attention function that do not change its math here (positions
 # and lengths of the flattened batch are ours; flash-attention varlen hints are unused)

@@ -11,10 +11,7 @@ import functools
 import inspect
 import sys
 
-
-class UnsupportedModelError(ValueError):
-    """The generic path cannot reproduce this model exactly; the message says why."""
-
+from hf_paged.models.protocol import UnsupportedModelError
 
 # config keys whose truthy value means layers the paged attention cannot run
 _REFUSED_CONFIG_KEYS = {
@@ -65,9 +62,11 @@ def static_reason(hf_config) -> str | None:
         return f"{name} is an encoder-decoder"
     if not _uses_attention_interface(cls):
         return f"{name} does not route attention through transformers' AttentionInterface"
-    if getattr(hf_config, "quantization_config", None) is not None:
-        method = _quant_method(hf_config.quantization_config)
-        return f"{name} has a quantization_config ({method}) the engine does not implement"
+    from hf_paged.layers.quantization import unserved_quantization
+
+    quantized = unserved_quantization(hf_config)
+    if quantized is not None:
+        return f"{name} has a quantization_config ({quantized[0]}) the engine does not serve"
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if text is not hf_config and text.model_type != hf_config.model_type:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
@@ -108,12 +107,6 @@ def _adapted(cls) -> bool:
     from hf_paged.models.generic.adapters import serves
 
     return serves(cls)
-
-
-def _quant_method(qc) -> str:
-    if isinstance(qc, dict):
-        return str(qc.get("quant_method", "unknown"))
-    return str(getattr(qc, "quant_method", "unknown"))
 
 
 def _chunk_size(text) -> int | None:

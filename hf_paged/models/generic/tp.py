@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from hf_paged.distributed.communicator import Communicator
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.generic.fp8 import Fp8Linear, scale_shard_rule
+from hf_paged.models.protocol import UnsupportedModelError
 
 _REPLICATED = {
     "colwise_gather_output", "rowwise_split_input", "colwise_rep", "rowwise_rep",
@@ -92,11 +93,21 @@ def apply_tp_plan(model: nn.Module, comm: Communicator) -> dict[str, ShardRule]:
         for pname, param in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             pstyle = plan.get(_generic_name(full), style)
-            rule = _param_rule(full, param, pstyle, module, comm, kv_heads)
+            if isinstance(module, Fp8Linear) and pname not in ("weight", "bias"):
+                # an FP8 scale: split with the blocks of the weight it scales, or replicated
+                weight_rule = _param_rule(f"{name}.weight", module.weight, pstyle, module, comm,
+                                          kv_heads)  # fmt: skip
+                rule = scale_shard_rule(module, pname, weight_rule, full)
+            else:
+                rule = _param_rule(full, param, pstyle, module, comm, kv_heads)
             if rule is not None:
                 rules[full] = rule
         if style == "moe_tp_experts" or (style == "rowwise" and isinstance(module, nn.Linear)):
-            unplanned = [p for p, _ in module.named_parameters() if f"{name}.{p}" not in rules]
+            unplanned = [
+                p
+                for p, _ in module.named_parameters()
+                if f"{name}.{p}" not in rules and not _replicated_scale(module, p)
+            ]
             if unplanned:
                 raise UnsupportedModelError(
                     f"tensor parallelism: {name} is reduced over ranks but its {unplanned} "
@@ -110,6 +121,12 @@ def apply_tp_plan(model: nn.Module, comm: Communicator) -> dict[str, ShardRule]:
         local = torch.empty(rule.local_shape(tuple(old.shape)), dtype=old.dtype, device="meta")
         mod._parameters[leaf] = nn.Parameter(local, requires_grad=False)
     return rules
+
+
+def _replicated_scale(module: nn.Module, pname: str) -> bool:
+    """An FP8 scale that every rank holds whole (``scale_shard_rule`` gave it no rule)."""
+    cfg = getattr(module, "fp8_config", None)
+    return cfg is not None and pname in (cfg.scale_name, cfg.input_scale_name)
 
 
 def _param_rule(name, param, style, module, comm, kv_heads) -> ShardRule | None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_paged.models.generic.attention import paged_attention_forward
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.protocol import UnsupportedModelError
 
 
 @functools.cache

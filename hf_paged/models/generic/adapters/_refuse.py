@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.protocol import UnsupportedModelError
 
 
 def refusing(reason: str) -> Callable:

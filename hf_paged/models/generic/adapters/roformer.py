@@ -26,7 +26,7 @@ from hf_paged.models.generic.adapters._bert_style import (
     check_causal_self_attention,
     project_heads,
 )
-from hf_paged.models.generic.support import UnsupportedModelError
+from hf_paged.models.protocol import UnsupportedModelError
 
 _CHECKED_ATTR = "_hf_paged_sinusoid_checked"
 

@@ -1,0 +1,156 @@
+"""``hf-paged run``: run a program unmodified, every ``generate`` call on the paged engine.
+
+Like ``python script.py args`` / ``python -m module args``, with ``HF_PAGED_BACKEND=paged`` set
+(child processes inherit it), the ``generate`` and ``pipeline`` dispatchers installed and lm-eval's
+HFLM patched. ``--report`` prints to stderr at exit what the engine served.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import runpy
+import sys
+
+USAGE = """usage: hf-paged run [--report] script.py [args ...]
+       hf-paged run [--report] -m module [args ...]
+
+Run a program unmodified, with every transformers generate call on the paged engine
+(HF_PAGED_BACKEND=paged). --report prints to stderr at exit what the engine served."""
+
+
+class ServedCounter:
+    """Counts what the paged engine served, by wrapping the functions every front end calls:
+    ``generate`` calls (``paged_call.generate_paged``: the dispatcher and
+    ``PagedModelForCausalLM``), pipeline batches streamed through one engine run, and lm-eval
+    requests (generate_until, loglikelihood, loglikelihood_rolling)."""
+
+    def __init__(self):
+        self.counts = {"generate call(s)": 0, "pipeline batch(es)": 0, "lm-eval request(s)": 0}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, module, name: str, key: str, amount) -> None:
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            out = original(*args, **kwargs)  # a PagedFallback raised here ran stock instead
+            self.counts[key] += amount(args)
+            return out
+
+        self._saved.append((module, name, original))
+        setattr(module, name, counted)
+
+    def install(self) -> None:
+        from hf_paged.integration import paged_call
+        from hf_paged.integration.pipeline import streaming
+
+        self._wrap(paged_call, "generate_paged", "generate call(s)", lambda a: 1)
+        self._wrap(streaming, "model_outputs", "pipeline batch(es)", lambda a: 1)
+        if importlib.util.find_spec("lm_eval") is not None:
+            from hf_paged.integration.lm_eval import generate_until, loglikelihood
+
+            requests = lambda a: len(a[1])  # noqa: E731  (lm, requests, ...)
+            self._wrap(generate_until, "generate_until", "lm-eval request(s)", requests)
+            self._wrap(loglikelihood, "loglikelihood_tokens", "lm-eval request(s)", requests)
+
+    def uninstall(self) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()
+
+    @property
+    def calls(self) -> int:
+        """``generate`` calls the engine served."""
+        return self.counts["generate call(s)"]
+
+    @property
+    def streamed(self) -> int:
+        """Pipeline batches that came back from a streamed engine run."""
+        return self.counts["pipeline batch(es)"]
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} {what}" for what, n in self.counts.items())
+
+
+def _usage_error(message: str) -> None:
+    print(f"hf-paged: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
+    """``(report, module, script, args)`` from what follows ``run``, parsed as python parses
+    its own command line: our options stop at the first program argument."""
+    report, i = False, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        if argv[i] in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if argv[i] != "--report":
+            _usage_error(f"run: option {argv[i]!r} is not allowed: options are --report, -m")
+        report, i = True, i + 1
+    rest = argv[i:]
+    if rest[:1] == ["-m"]:
+        if len(rest) < 2:
+            _usage_error("run: -m needs a module name: hf-paged run -m module [args ...]")
+        return report, rest[1], None, rest[2:]
+    if not rest:
+        _usage_error("run: missing the program: hf-paged run script.py [args ...]")
+    if not os.path.isfile(rest[0]):
+        hint = ""
+        if rest[0].replace(".", "").replace("_", "").isalnum() and _is_module(rest[0]):
+            hint = f"; {rest[0]!r} is a module: hf-paged run -m {' '.join(rest)}"
+        _usage_error(f"run: script={rest[0]!r} is not allowed: no such file{hint}")
+    return report, None, rest[0], rest[1:]
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def cmd_run(argv: list[str]) -> int:
+    report, module, script, args = parse(argv)
+    os.environ["HF_PAGED_BACKEND"] = "paged"  # child processes inherit it
+    from hf_paged import envs
+
+    envs.reset("HF_PAGED_BACKEND")  # this process reads it again too (it is read once)
+    _show_engine_starts()
+    import hf_paged
+    from hf_paged.integration.lm_eval import install_lm_eval
+
+    hf_paged.install()
+    install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is there)
+    counter = ServedCounter()
+    if report:
+        counter.install()
+    try:
+        if module is not None:
+            sys.argv = [module, *args]  # run_module replaces argv[0] with the module's file
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        if report:
+            counter.uninstall()
+            print(f"hf_paged: served by the paged engine: {counter.summary()}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return 0
+
+
+def _show_engine_starts() -> None:
+    """Engine starts and their reasons on stderr (the ``hf_paged`` logger), unless the program
+    configures that logger itself."""
+    logger = logging.getLogger("hf_paged")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

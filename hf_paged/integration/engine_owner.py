@@ -1,0 +1,179 @@
+"""One engine per model, one caller at a time: the ``EngineOwner``.
+
+Every front end reaches its engine through an owner: the ``generate`` dispatcher (one owner per
+HF model object, hung off the model), ``PagedModelForCausalLM`` (an owner of the engine it was
+opened with) and ``LLM`` (an owner of the engine it builds). The owner builds the engine on first
+use and rebuilds it when the requested ``EngineConfig`` differs from the built one or the model's
+weights changed since the build (``fingerprint``: parameter storage, in-place versions and PEFT
+adapter state; the engine shares the weights but holds fused copies of some). ``hold`` gives the
+owner to one caller for the length of a ``with`` block: other threads wait, and the same thread
+asking again gets ``PagedFallback("reentrant")`` (its requests are in the engine already).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+from hf_paged.config import EngineConfig
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.models import peft
+
+_OWNER_ATTR = "_hf_paged_engine_owner"
+_lock = threading.Lock()
+logger = logging.getLogger("hf_paged")
+
+
+class EngineOwner:
+    """A model's engine and the lock its callers take.
+
+    Args:
+        build: ``EngineConfig -> engine``; None for an owner of a fixed ``engine``.
+        fingerprint: ``() -> tuple``, the model's weights now; a change rebuilds the engine
+            (None: nothing to compare, e.g. the model is gone; the engine is kept).
+        engine: an engine built already (it is never rebuilt).
+    """
+
+    def __init__(self, build: Callable | None = None, fingerprint: Callable | None = None,
+                 engine=None):  # fmt: skip
+        self._build = build
+        self._fingerprint = fingerprint
+        self.engine = engine
+        self.built_with: EngineConfig | None = None if engine is None else engine.config
+        self._built_from: tuple | None = None
+        self.configured: EngineConfig | None = None  # from ``configure``
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id inside ``hold``
+
+    # a deep copy or an unpickled copy of a model starts without an owner (``owner_of`` makes
+    # one for it): an owner builds its engine for the model it was made for
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_no_owner, ())
+
+    @property
+    def held_here(self) -> bool:
+        """This thread is inside ``hold``."""
+        return self._holder == threading.get_ident()
+
+    def get(self, config: EngineConfig | None = None):
+        """The engine, built or rebuilt for ``config`` (else the configured one, else the one it
+        has). Call it while holding the owner (``hold``), or from a single thread."""
+        want = config or self.configured or self.built_with or EngineConfig()
+        if self._build is None:
+            return self.engine
+        now = self._fingerprint() if self._fingerprint is not None else None
+        if now is None:
+            now = self._built_from
+        if self.engine is not None and self.built_with == want and self._built_from == now:
+            return self.engine
+        if self.engine is None:
+            why = "first use"
+        elif self.built_with != want:
+            why = "engine config changed: " + _config_change(self.built_with, want)
+        else:
+            why = "the model's weights or adapters changed"
+        self.close()
+        start = time.perf_counter()
+        logger.info("hf_paged: starting an engine (%s)", why)
+        self.engine = self._build(want)
+        self.built_with, self._built_from = want, now
+        if logger.isEnabledFor(logging.INFO):
+            rt = getattr(self.engine, "runtime", None)
+            facts = ", ".join(
+                f"{k}={getattr(rt, k)}" for k in ("max_model_len", "num_kv_blocks", "device")
+                if hasattr(rt, k)
+            )  # fmt: skip
+            logger.info("hf_paged: engine ready in %.1f s (%s)", time.perf_counter() - start, facts)
+        return self.engine
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[EngineOwner]:
+        """The owner for one caller's block (``get`` builds the engine inside it when needed);
+        other threads' ``hold`` waits until the block ends.
+
+        Raises:
+            PagedFallback: this thread holds it already ("reentrant").
+        """
+        if self.held_here:
+            raise PagedFallback("reentrant", "the model's engine is already held by this thread")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield self
+            finally:
+                self._holder = None
+
+    def configure(self, config: EngineConfig) -> None:
+        """The config later calls without one get; a built engine with another closes (unless a
+        caller holds it: it closes at the next ``get``)."""
+        self.configured = config
+        if self.engine is not None and self.built_with != config and self._holder is None:
+            self.close()
+
+    def close(self) -> None:
+        """Close the engine now (an owner with ``build`` builds a new one on the next ``get``)."""
+        engine, self.engine, self.built_with, self._built_from = self.engine, None, None, None
+        if engine is not None:
+            engine.close()
+
+
+def _config_change(old: EngineConfig, new: EngineConfig) -> str:
+    """``"max_model_len None -> 4097, ..."`` for the fields that differ."""
+    changed = [
+        f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+        for f in dataclasses.fields(new)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    return ", ".join(changed)
+
+
+def fingerprint(model) -> tuple:
+    """The model's parameters (storage, in-place version, layout) and its PEFT adapter state."""
+    params = tuple(
+        (p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in model.parameters()
+    )
+    return params, peft.adapter_state(model)
+
+
+def owner_of(model, build: Callable) -> EngineOwner:
+    """The owner hung off an HF model (a ``PeftModel``: the model inside it), made on first use.
+
+    ``build(model, config)`` makes its engine. The owner keeps only a weak reference to the
+    model, and the model's collection closes the engine.
+    """
+    model = peft.unwrap(model)
+    owner = model.__dict__.get(_OWNER_ATTR)
+    if owner is not None:
+        return owner
+    with _lock:
+        owner = model.__dict__.get(_OWNER_ATTR)
+        if owner is None:
+            ref = weakref.ref(model)
+            owner = EngineOwner(lambda cfg: build(ref(), cfg), lambda: fingerprint(ref()))
+            model.__dict__[_OWNER_ATTR] = owner  # a plain attribute, not a submodule
+            # the engine may hold the model: a strong reference here would keep both for ever
+            weakref.finalize(model, _close_owner, weakref.ref(owner))
+    return owner
+
+
+def existing_owner(model) -> EngineOwner | None:
+    """The model's owner if one was made (nothing is built)."""
+    return peft.unwrap(model).__dict__.get(_OWNER_ATTR)
+
+
+def _no_owner() -> None:
+    return None
+
+
+def _close_owner(owner_ref) -> None:
+    owner = owner_ref()
+    if owner is not None:  # gone already when collected in a cycle: the engine closes itself
+        owner.close()

@@ -1,0 +1,190 @@
+"""HFLM.generate_until on the paged engine (see ``install.py`` for when it is used).
+
+Stock (``lm_eval/models/huggingface.py``) sorts the requests by context length, groups them by
+gen_kwargs, tokenizes each batch with ``tok_batch_encode`` (left padding, left truncation to
+``max_length - max_gen_toks``), calls ``model.generate(max_length=width + max_gen_toks, do_sample,
+stopping_criteria=one MultiTokenEOSCriteria per stop string, pad_token_id)`` and cuts each decoded
+row at the first occurrence of every stop string. Here the same sort, groups, batches and
+tokenization give each row's prompt (its attended tokens); every row then runs in one engine
+run, stopping at its own EOS, stop strings or ``max_gen_toks``, and is cut the same way. A row
+that stock keeps generating after its stop (batch-mates still running) is cut at the same
+place, so the text is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.engine.request import EngineRequest
+from hf_paged.engine.stop import StopTextFilter, text_filter
+from hf_paged.integration import paged_call
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.lm_eval.serving import owner_for, run_requests
+
+
+class UntilMatcher:
+    """lm-eval's stop rule (``MultiTokenEOSCriteria``) as the engine's stop-string matcher.
+
+    Stock marks a row done once a stop string ``s`` is in the decoding (special tokens kept) of
+    its last ``len(encode(s)) + 2`` generated tokens; the prompt never counts. Here one decoding
+    of the longest of those windows serves every stop string: it contains each shorter window's
+    text, so a row stops no later than a stock batch of one would, and never before a stop
+    string is in its generated text, after which stock's trimming gives the same text.
+
+    Decoding is skipped when ``text_filter`` (shared by the rows of one set of stop strings)
+    shows that the newest token cannot complete a stop string and the window's front shows no
+    new text; a stop string then cannot have appeared since the previous token, whose check
+    found none (every token is checked in order, and the first match ends the row).
+    """
+
+    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int,
+                 text_filter: StopTextFilter | None = None):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.stop = tuple(lookback)  # == params.stop
+        self.window = max(lookback.values())
+        self.prompt_len = prompt_len
+        self.text_filter = text_filter
+
+    def matches(self, token_ids: list[int], end: int | None = None) -> bool:
+        end = len(token_ids) if end is None else end  # tokens after ``end`` are in flight
+        start = max(self.prompt_len, end - self.window)
+        f = self.text_filter
+        if (
+            f is not None
+            and not f.may_end(token_ids[end - 1])
+            and (start == self.prompt_len or f.front_ok(token_ids[start]))
+        ):
+            return False
+        text = self.tokenizer.decode(token_ids[start:end])
+        return any(s in text for s in self.stop)
+
+
+@dataclass
+class _Row:
+    context: str
+    gen_kwargs: dict  # as the request gave them (the cache key)
+    until: list[str]  # stop strings, EOS text included
+    stops: tuple[str, ...]  # the non-empty ones, matched during generation
+    prompt: list[int]
+    kwargs: dict  # the generate keywords stock's HFLM._model_generate would pass for the row
+    max_gen_toks: int
+
+
+def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
+    """The generated strings, in request order.
+
+    Raises:
+        PagedFallback: before anything runs, when a request needs stock ``generate``.
+    """
+    from lm_eval.models.utils import Collator, postprocess_generated_text
+
+    re_ords = Collator(
+        [req.args for req in requests],
+        sort_fn=lambda req: (-len(lm.tok_encode(req[0])), req[0]),
+        group_by="gen_kwargs",
+        group_fn=lambda x: x[1],
+    )
+    batch_size = lm.batch_size if isinstance(lm.batch_size, int) else 1
+    rows: list[_Row] = []
+    for chunk in re_ords.get_batched(n=batch_size, batch_fn=None):
+        rows.extend(_rows(lm, chunk))
+    need = max(len(r.prompt) + r.max_gen_toks for r in rows)
+    with owner_for(lm, need).hold() as held:
+        engine = held.get()
+        requests = _requests(lm, engine.runtime, rows)
+        outs = run_requests(
+            engine, requests, "Running generate_until requests (paged)",
+            disable_tqdm or lm.rank != 0,
+        )  # fmt: skip
+    think = lm.think_end_token
+    res = []
+    for row, out in zip(rows, outs, strict=True):
+        cont = list(out.token_ids)
+        if isinstance(think, int) and think in cont:
+            cont = cont[len(cont) - cont[::-1].index(think) :]
+        text = lm.tok_decode(cont)
+        if isinstance(think, int):
+            text = text.lstrip()
+        text = postprocess_generated_text(
+            generation=text,
+            stop=row.until,
+            think_end_token=think if isinstance(think, str) else None,
+        )
+        res.append(text)
+        lm.cache_hook.add_partial("generate_until", (row.context, row.gen_kwargs), text)
+    return re_ords.get_original(res)
+
+
+def _rows(lm, chunk) -> list[_Row]:
+    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+    contexts, all_gen_kwargs = zip(*chunk, strict=True)
+    gen_kwargs = all_gen_kwargs[0]  # one group: every row has the same
+    kwargs = normalize_gen_kwargs(gen_kwargs, lm.max_gen_toks)
+    eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    max_gen_toks = kwargs.pop("max_gen_toks")
+    max_ctx_len = lm.max_length - max_gen_toks
+    if max_ctx_len <= 0:
+        raise ValueError(
+            f"max_gen_toks={max_gen_toks} is not allowed: it must be less than the model's "
+            f"max_length ({lm.max_length})"
+        )
+    if "max_length" in kwargs:
+        raise PagedFallback("max_length", "max_length in gen_kwargs counts from the padded batch")
+    _model_generate_kwargs(kwargs)
+    stops = tuple(s for s in until if s)  # stock skips '' when it trims
+    ids, mask = lm.tok_batch_encode(
+        list(contexts), left_truncate_len=max_ctx_len, truncation=lm.truncation
+    )  # [B, W] left padded
+    return [
+        _Row(context, gen_kwargs, until, stops, row[keep].tolist(), kwargs, max_gen_toks)
+        for context, row, keep in zip(contexts, ids, mask.bool(), strict=True)
+    ]
+
+
+def _model_generate_kwargs(kwargs: dict) -> None:
+    """HFLM._model_generate's handling of temperature / do_sample, in place."""
+    kwargs["temperature"] = kwargs.get("temperature", 0.0)
+    do_sample = kwargs.get("do_sample")
+    if kwargs["temperature"] == 0.0 and do_sample is None:
+        kwargs["do_sample"] = do_sample = False
+    if do_sample is False and kwargs["temperature"] == 0.0:
+        kwargs.pop("temperature")
+
+
+def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
+    """One engine request per row: stock's ``model.generate`` call on the row alone, planned
+    (``paged_call.plan_generate``, one preparation per distinct set of options), with lm-eval's
+    stop rule as its stop-string matcher."""
+    plans = paged_call.PlanCache()
+    filters: dict = {}  # stop strings -> StopTextFilter, shared by their rows
+    lookback: dict = {}  # stop strings -> {stop: window}
+    out = []
+    for row in rows:
+        ids = torch.tensor([row.prompt], dtype=torch.long, device=lm.device)
+        call = paged_call.plan_generate(lm.model, runtime, {
+            "input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "max_length": len(row.prompt) + row.max_gen_toks,
+            "pad_token_id": lm.tokenizer.pad_token_id, "use_cache": True, **row.kwargs,
+        }, plans)  # fmt: skip
+        if not isinstance(call, paged_call.NativeCall):
+            raise PagedFallback("logits_processor", "the call needs processors the engine lacks")
+        req = call.requests[0]
+        if row.stops:
+            if row.stops not in filters:
+                filters[row.stops] = text_filter(lm.tokenizer, row.stops)
+                lookback[row.stops] = {
+                    s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in row.stops
+                }
+            matcher = UntilMatcher(lm.tokenizer, lookback[row.stops], len(row.prompt),
+                                   filters[row.stops])  # fmt: skip
+            req = EngineRequest(req.prompt_token_ids,
+                                dataclasses.replace(req.params, stop=row.stops),
+                                stop_strings=matcher)  # fmt: skip
+        out.append(req)
+    return out

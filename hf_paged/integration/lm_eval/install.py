@@ -1,0 +1,118 @@
+"""lm-eval's HFLM on the paged engine: every request of a call in one engine run.
+
+``install_lm_eval()`` (``hf-paged run`` calls it) replaces three methods of
+``lm_eval.models.huggingface.HFLM`` once that module is imported, and registers the model name
+``hf-paged`` (an HFLM subclass that is always paged); ``uninstall_lm_eval()`` puts the original
+function objects back. A patched method runs paged when the process is switched to the paged
+backend (``hf-paged run``, ``HF_PAGED_BACKEND=paged``, ``set_default_backend("paged")``) or the
+model is ``hf-paged``; otherwise it is stock's. What it serves:
+
+* ``generate_until``: stock's order, grouping, tokenization (``tok_batch_encode`` on stock's
+  batches, so BOS and left-truncation to ``max_length - max_gen_toks`` are stock's), then every
+  row in one engine run with its own stop strings (``until`` plus the EOS text) and
+  ``max_gen_toks``; the text is trimmed as stock trims it. Sampling parameters come from HF's own
+  preparation of the same ``generate`` call (``paged_call.plan_generate``), so the model's
+  generation config counts as in stock (``generate_until.py``).
+* ``_loglikelihood_tokens`` (``loglikelihood`` tokenizes as stock, then calls it) and
+  ``loglikelihood_rolling`` (stock's windows): prompt logprobs of the continuation tokens, all
+  requests in one run, contexts shared through the prefix cache (``loglikelihood.py``).
+
+Anything else runs stock, with a ``PagedFallbackWarning`` naming the reason: seq2seq models,
+several lm-eval ranks, autocast (``mixed_precision_dtype``), a model the engine does not serve,
+``max_length`` in gen_kwargs, logits processors the engine lacks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+
+from hf_paged.integration import hooks
+from hf_paged.integration.fallback import PagedFallback, warn_fallback
+from hf_paged.integration.lm_eval import generate_until as _until
+from hf_paged.integration.lm_eval import loglikelihood as _ll
+from hf_paged.integration.lm_eval.serving import is_active
+
+HFLM_MODULE = "lm_eval.models.huggingface"
+MODEL_NAME = "hf-paged"
+_PATCHED = ("generate_until", "_loglikelihood_tokens", "loglikelihood_rolling")
+_originals: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def _patch_module(module) -> None:
+    _patch(module.HFLM)
+
+
+def install_lm_eval() -> bool:
+    """Patch HFLM (now, or when lm-eval imports it) and register ``--model hf-paged``.
+    Returns False, changing nothing, when lm_eval is not installed. Idempotent."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return False
+    import lm_eval.models  # noqa: F401  (lm-eval's own names first: it fills an empty registry)
+    from lm_eval.api.registry import model_registry
+
+    if MODEL_NAME not in model_registry:
+        model_registry.register(MODEL_NAME, target="hf_paged.integration.lm_eval.model:HFPagedLM")
+    hooks.cancel_after_import(HFLM_MODULE, _patch_module)
+    hooks.after_import(HFLM_MODULE, _patch_module)  # now, or when lm-eval imports it
+    return True
+
+
+def uninstall_lm_eval() -> None:
+    """Restore HFLM's original methods and stop patching on import."""
+    hooks.cancel_after_import(HFLM_MODULE, _patch_module)
+    module = sys.modules.get(HFLM_MODULE)
+    with _lock:
+        if module is not None:
+            for name, fn in _originals.items():
+                setattr(module.HFLM, name, fn)
+        _originals.clear()
+
+
+def is_lm_eval_installed() -> bool:
+    return bool(_originals)
+
+
+def _patch(hflm_cls) -> None:
+    with _lock:
+        if _originals:
+            return
+        for name in _PATCHED:
+            _originals[name] = hflm_cls.__dict__[name]
+        hflm_cls.generate_until = _generate_until
+        hflm_cls._loglikelihood_tokens = _loglikelihood_tokens
+        hflm_cls.loglikelihood_rolling = _loglikelihood_rolling
+
+
+# ---- the patched methods: paged when active, stock (with a warning) when not served ----------
+
+
+def _serve(method: str, paged, original, self, requests, **kwargs):
+    if not is_active(self) or not requests:
+        return original(self, requests, **kwargs)
+    try:
+        return paged(self, requests, kwargs.get("disable_tqdm", False))
+    except PagedFallback as fb:
+        warn_fallback(fb, f"lm-eval HFLM.{method}")
+        return original(self, requests, **kwargs)
+
+
+def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+    """HFLM._loglikelihood_tokens on the engine: [(logprob, is_greedy)] in request order."""
+    return _serve("loglikelihood", _ll.loglikelihood_tokens, _originals["_loglikelihood_tokens"],
+                  self, requests, disable_tqdm=disable_tqdm, override_bs=override_bs)  # fmt: skip
+
+
+def _loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+    """HFLM.loglikelihood_rolling with stock's windows, all scored in one engine run."""
+    return _serve("loglikelihood_rolling", _ll.loglikelihood_rolling,
+                  _originals["loglikelihood_rolling"], self, requests,
+                  disable_tqdm=disable_tqdm)  # fmt: skip
+
+
+def _generate_until(self, requests, disable_tqdm: bool = False):
+    """HFLM.generate_until on the engine: the generated strings in request order."""
+    return _serve("generate_until", _until.generate_until, _originals["generate_until"],
+                  self, requests, disable_tqdm=disable_tqdm)  # fmt: skip

@@ -1,0 +1,55 @@
+"""Which engine a pipeline batch runs on: the HF model's (through the dispatcher) or a
+``PagedModelForCausalLM``'s; batches with the same route share one engine run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hf_paged.config import EngineConfig
+from hf_paged.integration import dispatch, servable
+
+# keywords the dispatcher consumes (or stock alone reads) before preparing a paged call
+NOT_FORWARDED = ("backend", "paged_config", *dispatch.NOT_FORWARDED)
+
+
+@dataclass(frozen=True)
+class Route:
+    key: tuple  # batches with the same key share one engine run
+    prep_model: object  # what stock's preparation runs on
+    hold: Callable  # () -> context manager yielding the engine
+    precheck: Callable  # generate kwargs -> PagedFallback or None
+
+
+def route_key(model, kwargs: dict) -> tuple | None:
+    """The route's key for a batch with these ``generate`` keywords; None: it runs per batch."""
+    from hf_paged.integration.auto import PagedModelForCausalLM
+
+    backend, paged_config = kwargs.get("backend"), kwargs.get("paged_config")
+    if isinstance(model, PagedModelForCausalLM):
+        # other switches: the per-batch path raises the model's own error for them
+        return ("paged_model",) if backend in (None, "paged") and paged_config is None else None
+    if backend is None:
+        backend = dispatch.get_default_backend()
+    if backend != "paged" or not dispatch.is_installed():
+        return None
+    if isinstance(paged_config, dict):
+        paged_config = EngineConfig.from_dict(paged_config)
+    return ("hf", paged_config)
+
+
+def route(model, kwargs: dict) -> Route | None:
+    """How a batch with these ``generate`` keywords reaches the engine; None: it doesn't."""
+    from hf_paged.integration.auto import PagedModelForCausalLM
+
+    key = route_key(model, kwargs)
+    if key is None:
+        return None
+    if isinstance(model, PagedModelForCausalLM):
+        skeleton = model.skeleton  # on the meta device by design: argument checks only
+        return Route(key, skeleton, model.hold_engine,
+                     lambda kw: servable.precheck(skeleton, kw, kw, model_checks=False))  # fmt: skip
+    return Route(
+        key, model, lambda: dispatch.hold_engine(model, key[1]),
+        lambda kw: servable.precheck(model, kw, kw),
+    )  # fmt: skip

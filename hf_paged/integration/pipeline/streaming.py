@@ -1,0 +1,234 @@
+"""A text-generation pipeline over many inputs as ONE engine run (continuous batching).
+
+Stock ``pipe(list_or_dataset_or_generator, batch_size=B)`` preprocesses every input, pads them in
+batches of B, calls ``model.generate`` once per batch and postprocesses. ``PagedTextGenerationPipeline``
+keeps all of that but the model stage: each batch is prepared as that ``generate`` call would be
+(the very keyword arguments the pipeline's own ``_forward`` passes, stock's preparation of them),
+its rows go into one ``engine.stream`` shared by the whole call, and when all rows of a batch
+are back its outputs are rebuilt as stock's ``generate`` returns them, so the pipeline's own
+unbatching and ``postprocess`` run unchanged. Requests in flight are bounded by the stream's
+window (``4 * max_num_seqs``); outputs come back in input order; a dataset or generator input
+gives a lazy iterator, as stock's does.
+
+A batch the engine cannot sample itself (a streamer, scores, user processors or criteria, an
+empty prompt, ``backend="hf"``, whatever the paged ``generate`` would send to stock) ends the
+current engine run once its requests are done, and runs through the pipeline's own forward:
+the per-batch path, paged where that ``generate`` is. An error while preparing a row (a bad
+input, bad generation options) is raised after the outputs of the rows before it, as stock's
+loop would; the engine's requests are aborted and drained first.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+
+from torch.utils.data import DataLoader
+from transformers.pipelines.base import no_collate_fn, pad_collate_fn
+from transformers.pipelines.pt_utils import PipelineDataset, PipelineIterator
+from transformers.pipelines.text_generation import TextGenerationPipeline
+
+from hf_paged.integration import paged_call
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.pipeline.capture import capture_generate_kwargs
+from hf_paged.integration.pipeline.routes import NOT_FORWARDED, route, route_key
+
+
+class StreamingTextGenerationMixin:
+    """Overrides ``get_iterator`` (what ``Pipeline.__call__`` uses for a list, a dataset or a
+    generator) so that all batches share one engine run. A single input still takes
+    ``run_single``: one paged ``generate`` call."""
+
+    def get_iterator(
+        self, inputs, num_workers, batch_size, preprocess_params, forward_params, postprocess_params
+    ):
+        if not _streams(self.model):
+            return super().get_iterator(
+                inputs, num_workers, batch_size, preprocess_params, forward_params,
+                postprocess_params,
+            )  # fmt: skip
+        # stock's own input side: preprocess per item, pad per batch (DataLoader, same workers)
+        if isinstance(inputs, collections.abc.Sized):
+            dataset = PipelineDataset(inputs, self.preprocess, preprocess_params)
+        else:
+            dataset = PipelineIterator(inputs, self.preprocess, preprocess_params)
+            num_workers = min(num_workers, 1)
+        extractor = self.feature_extractor or self.image_processor
+        collate = no_collate_fn if batch_size == 1 else pad_collate_fn(self.tokenizer, extractor)
+        loader = DataLoader(dataset, num_workers=num_workers, batch_size=batch_size,
+                            collate_fn=collate)  # fmt: skip
+        batches = BatchStream(self, loader, forward_params)
+        # stock's own output side: unbatch, then postprocess each item
+        model_iterator = PipelineIterator(batches, _identity, {}, loader_batch_size=batch_size)
+        return PipelineIterator(model_iterator, self.postprocess, postprocess_params)
+
+
+class PagedTextGenerationPipeline(StreamingTextGenerationMixin, TextGenerationPipeline):
+    """``TextGenerationPipeline`` whose many-input calls stream through the paged engine."""
+
+
+def streaming_class(cls: type) -> type:
+    """``cls`` (a ``TextGenerationPipeline`` subclass) with the streaming ``get_iterator``."""
+    if cls is TextGenerationPipeline:
+        return PagedTextGenerationPipeline
+    if issubclass(cls, StreamingTextGenerationMixin):
+        return cls
+    return type(f"Paged{cls.__name__}", (StreamingTextGenerationMixin, cls), {})
+
+
+def _identity(x):
+    return x
+
+
+def _streams(model) -> bool:
+    from hf_paged.integration import dispatch
+    from hf_paged.integration.auto import PagedModelForCausalLM
+
+    return isinstance(model, PagedModelForCausalLM) or dispatch.is_installed()
+
+
+# ---- per-batch model outputs ------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    """One collated batch from the loader, with the ``generate`` keywords stock would pass."""
+
+    inputs: dict | None = None  # None: the loader is exhausted
+    kwargs: dict | None = None
+    error: Exception | None = None  # raised when this item's turn comes
+    stock: bool = False  # known to need the pipeline's own forward
+
+
+@dataclass
+class _Job:
+    """A batch whose rows are in the engine."""
+
+    item: _Item
+    call: paged_call.NativeCall
+    requests: list
+    tokens: list = field(default_factory=list)  # per row: new token ids, None until done
+    num_open: int = 0
+
+
+class BatchStream:
+    """Iterates per-batch model outputs (what stock's ``forward`` returns), in order."""
+
+    def __init__(self, pipe, loader, forward_params: dict):
+        self._pipe = pipe
+        self._loader = loader
+        self._forward_params = forward_params
+        self._it = None
+        self._next: _Item | None = None  # pulled, not yet handled
+        self._plans = paged_call.PlanCache()
+
+    def __len__(self) -> int:
+        return len(self._loader)  # TypeError for an iterable input, as stock's
+
+    def __iter__(self):
+        self._it = iter(self._loader)
+        return self._run()
+
+    def _run(self):
+        while True:
+            item = self._take()
+            if item.error is not None:
+                raise item.error
+            if item.inputs is None:
+                return
+            way = None if item.stock else route(self._pipe.model, item.kwargs)
+            with contextlib.ExitStack() as held:
+                try:
+                    engine = None if way is None else held.enter_context(way.hold())
+                except (PagedFallback, RuntimeError):  # this thread holds the engine already
+                    engine = None
+                job = None if engine is None else self._prepare(item, engine, way)
+                if job is not None:
+                    yield from self._segment(engine, way, job)
+                    continue
+            yield self._pipe.forward(item.inputs, **self._forward_params)
+
+    def _take(self) -> _Item:
+        if self._next is not None:
+            item, self._next = self._next, None
+            return item
+        try:
+            inputs = next(self._it)
+        except StopIteration:
+            return _Item()
+        except Exception as e:  # a bad row: raised in order, after the rows before it
+            return _Item(error=e)
+        try:
+            return _Item(inputs, capture_generate_kwargs(self._pipe, inputs, self._forward_params))
+        except Exception as e:
+            return _Item(error=e)
+
+    def _prepare(self, item: _Item, engine, way) -> _Job | None:
+        """The batch's engine requests, or None (marks the item) when it needs the pipeline's
+        own forward. Raises what stock's preparation of the call raises."""
+        kwargs = {k: v for k, v in item.kwargs.items() if k not in NOT_FORWARDED}
+        native = None
+        if kwargs.get("input_ids") is not None and way.precheck(item.kwargs) is None:
+            try:
+                native = paged_call.plan_generate(way.prep_model, engine.runtime, kwargs,
+                                                  self._plans)  # fmt: skip
+            except PagedFallback:
+                native = None
+        if not isinstance(native, paged_call.NativeCall):  # external sampling: per batch
+            item.stock = True
+            return None
+        return _Job(item, native, native.requests, [None] * len(native.requests),
+                    len(native.requests))  # fmt: skip
+
+    def _segment(self, engine, way, first: _Job):
+        """One engine run over consecutive batches that the engine samples itself; yields each
+        batch's model outputs as soon as it and every batch before it are done."""
+        pending: collections.deque[_Job] = collections.deque()
+        slots: dict[int, tuple[_Job, int]] = {}  # stream index -> (job, row)
+        counter = itertools.count()
+
+        def requests():
+            job = first
+            while True:
+                pending.append(job)
+                for row, req in enumerate(job.requests):
+                    slots[next(counter)] = (job, row)
+                    yield req
+                item = self._take()
+                if (
+                    item.inputs is None
+                    or item.error is not None
+                    or way.key != route_key(self._pipe.model, item.kwargs)
+                ):
+                    self._next = item  # handled after this run's requests are done
+                    return
+                try:
+                    job = self._prepare(item, engine, way)
+                except Exception as e:
+                    job, self._next = None, _Item(error=e)
+                if job is None:
+                    self._next = self._next or item
+                    return
+
+        with engine.stream(requests()) as stream:
+            for index, out in stream:
+                job, row = slots.pop(index)
+                job.tokens[row] = out.outputs[0].token_ids
+                job.num_open -= 1
+                while pending and pending[0].num_open == 0:
+                    yield model_outputs(pending.popleft())
+
+
+def model_outputs(job: _Job) -> dict:
+    """What stock's ``forward`` returns for the batch: sequences ``[in_b, n, W + T]`` on the CPU,
+    the padded ``input_ids`` ``[in_b, W]`` and the prompt text(s)."""
+    seqs = job.call.sequences(job.tokens).cpu()  # [in_b * n, W + T]
+    input_ids = job.item.inputs["input_ids"]
+    in_b = input_ids.shape[0]
+    return {
+        "generated_sequence": seqs.reshape(in_b, seqs.shape[0] // in_b, *seqs.shape[1:]),
+        "input_ids": input_ids,
+        "prompt_text": job.item.inputs["prompt_text"],
+    }

@@ -1,0 +1,96 @@
+"""``SamplingParams(prompt_logprobs=k)``: equal to ``log_softmax`` of a stock HF forward over the
+prompt (fp32, 1e-5), with chunked prefill, prefix caching, preemption, k = 0 and k = 5."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_paged import LLM, SamplingParams
+from hf_paged.testing import make_prompts
+from tests.engine.logprob_checks import check, run
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_matches_stock_forward(logprob_model, k):
+    path, hf = logprob_model
+    prompts = make_prompts([1, 2, 7, 8, 9, 33, 60], seed=k)
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=k)
+    outs, _ = run(path, prompts, params)
+    assert outs[0].prompt_logprobs == [None]  # prompt length 1
+    for p, o in zip(prompts, outs):
+        check(hf, p, o.prompt_logprobs, k)
+        assert len(o.token_ids) == 3
+
+
+def test_not_asked_is_none(logprob_model):
+    outs, _ = run(logprob_model[0], make_prompts([5], 0), SamplingParams(max_tokens=2))
+    assert outs[0].prompt_logprobs is None
+
+
+def test_chunked_prefill(logprob_model):
+    """Prompts longer than the step budget are scored across several chunks, each chunk's
+    last row scoring the next chunk's first token."""
+    path, hf = logprob_model
+    prompts = make_prompts([70, 41, 13, 100], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    outs, _ = run(path, prompts, params, max_num_batched_tokens=16, max_num_seqs=4)
+    for p, o in zip(prompts, outs):
+        check(hf, p, o.prompt_logprobs, 2)
+
+
+def test_prefix_cache_hit_still_scores(logprob_model):
+    """A repeated prompt (in one call and across calls) gets full logprobs: the scoring request
+    takes no cached block for rows it must score."""
+    path, hf = logprob_model
+    prompt = make_prompts([45], seed=4)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    with LLM(path, max_model_len=128, kv_block_size=8, num_kv_blocks=64) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # fill the cache
+        assert llm.stats["prefix_cache_hit_tokens"] == 0
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+        again = llm.generate([prompt], params, use_tqdm=False)
+        hits = llm.stats["prefix_cache_hit_tokens"]
+    for o in outs + again:
+        check(hf, prompt, o.prompt_logprobs, 1)
+    assert hits == 0  # start=1 scores row 0 on: nothing before it may come from the cache
+
+
+def test_start_shares_the_prefix(logprob_model):
+    """With prompt_logprobs_start, tokens before the first scored row come from the prefix
+    cache (the loglikelihood pattern: one context, several continuations)."""
+    path, hf = logprob_model
+    context = make_prompts([40], seed=5)[0]
+    prompts = make_prompts([3, 9, 1, 12], seed=6, prefix=context)
+    with LLM(path, max_model_len=128, kv_block_size=8, num_kv_blocks=64) as llm:
+        llm.generate([context], SamplingParams(max_tokens=1), use_tqdm=False)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(context)
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        hits = llm.stats["prefix_cache_hit_tokens"]
+    for p, o in zip(prompts, outs):
+        check(hf, p, o.prompt_logprobs, 0, start=len(context))
+    # row len(context) - 1 = 39 is scored, so blocks [0, 32) may be shared: 4 blocks each
+    assert hits == 4 * 32
+
+
+def test_preemption_no_duplicates(logprob_model):
+    """Under KV pressure sequences are preempted mid-prefill and mid-decode and recomputed;
+    every prompt still gets exactly one entry per token, equal to stock."""
+    path, hf = logprob_model
+    prompts = make_prompts([50, 60, 37, 55, 44, 58], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40, prompt_logprobs=3)
+    outs, stats = run(
+        path, prompts, params, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6
+    )
+    assert stats["num_preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        check(hf, p, o.prompt_logprobs, 3)
+        assert len(o.token_ids) == 40
+
+
+def test_bad_values():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs_start"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=0)

@@ -1,0 +1,224 @@
+"""The package's import graph: no cycles and no imports that run back up, at every level; and
+the tests' own: no test module imports another (shared helpers live in ``hf_paged.testing``, a
+folder's ``conftest.py`` or a helper module without the ``test_`` prefix).
+
+Every ``import`` of an ``hf_paged`` module in ``hf_paged/`` (module level or inside a function,
+``TYPE_CHECKING`` blocks included) is an arrow from the importing file to the imported one. At
+each folder, its children (files and subfolders, a subfolder standing for everything under it)
+must import each other without a cycle: then every child stands above everything it imports, and
+no arrow runs back up. Imports made by name at run time (``importlib.import_module``) are not
+arrows: they are how the lazy registries and ``import hf_paged``'s hooks stay light.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_paged"
+TESTS = ROOT / "tests"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of ``name`` that is a module of the package."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        for n in names:
+            target = _resolve(n, modules)
+            if target is not None and target != module:
+                out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def _child(folder: str, module: str) -> str | None:
+    """The child of ``folder`` (a package name) that ``module`` lies in, or None outside it."""
+    if module == folder:
+        return None
+    if not module.startswith(folder + "."):
+        return None
+    return module[len(folder) + 1 :].split(".")[0]
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of a directed graph as a list of nodes, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(edges):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def _folders(graph: dict[str, set[str]]) -> list[str]:
+    return sorted({m for m in graph if (PACKAGE.parent / m.replace(".", "/")).is_dir()})
+
+
+def test_no_cycles_at_any_level():
+    graph = _graph()
+    assert len(graph) > 50  # the walk found the package
+    found = []
+    for folder in _folders(graph):
+        edges: dict[str, set[str]] = {}
+        for src, targets in graph.items():
+            a = _child(folder, src)
+            if a is None:
+                continue
+            for dst in targets:
+                b = _child(folder, dst)
+                if b is not None and b != a:
+                    edges.setdefault(a, set()).add(b)
+        cycle = _cycle(edges)
+        if cycle:
+            found.append(f"{folder}: {' -> '.join(cycle)}")
+    assert not found, (
+        "import cycles (each child of a folder must stand above what it imports):\n"
+        + "\n".join(found)
+    )
+
+
+def test_a_cycle_is_found():
+    """The check itself: a graph with a cycle two folders deep is reported."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import hf_paged.engine.scheduler, hf_paged.engine.block_manager",
+        "import hf_paged",
+        "from hf_paged.cli import build_parser; build_parser().format_help()",
+    ],
+    ids=["pure-python-core", "import-hf_paged", "cli-help"],
+)
+def test_light_imports_load_no_torch(code):
+    """The pure-Python core, ``import hf_paged`` and ``hf-paged --help`` load neither torch nor
+    transformers (which take seconds): what keeps them quick (``evaluation/bench_startup.py``
+    times them)."""
+    probe = f"import sys; {code}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_import_hf_paged_patches_on_transformers_load():
+    """``import hf_paged``'s one side effect: the dispatchers are on once transformers loads the
+    modules they patch, in either import order."""
+    probe = (
+        "import sys\n"
+        "{first}\n{second}\n"
+        "from transformers.generation.utils import GenerationMixin\n"
+        "import transformers\n"
+        "print(hasattr(GenerationMixin.generate, '__hf_paged_original__'), "
+        "hasattr(transformers.pipeline, '__hf_paged_original__'))"
+    )
+    for first, second in (("import hf_paged", "import transformers.pipelines"),
+                          ("import transformers.pipelines", "import hf_paged")):  # fmt: skip
+        code = probe.format(first=first, second=second)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == "True True", (first, second)
+
+
+def _imported_tests_files(source: str) -> set[Path]:
+    """The files under ``tests/`` that ``source`` imports (``tests.x.y`` names, module level or
+    inside a function), as paths that exist."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] != "tests":
+                continue
+            path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+            if path.is_file():
+                found.add(path)
+    return found
+
+
+def _is_test_module(path: Path) -> bool:
+    return path.name.startswith("test_") or path.name == "conftest.py"
+
+
+def test_no_test_module_imports_another():
+    """A test module (or conftest) imported by another file in ``tests/`` runs its tests or
+    fixtures twice and ties two features' tests together: what both need goes to
+    ``hf_paged.testing``, the folder's ``conftest.py`` or a helper module there."""
+    files = sorted(TESTS.rglob("*.py"))
+    assert sum(_is_test_module(p) for p in files) > 50  # the walk found the tests
+    found = []
+    for path in files:
+        for target in sorted(_imported_tests_files(path.read_text())):
+            if _is_test_module(target):
+                found.append(f"{path.relative_to(ROOT)} imports {target.relative_to(ROOT)}")
+    assert not found, "test modules imported by other files:\n" + "\n".join(found)
+
+
+def test_an_imported_test_module_is_found():
+    """The check itself: the import shapes that tied test modules together are seen."""
+    sources = [
+        "from tests.engine import test_engine_parity as parity",
+        "from tests.engine.test_engine_parity import hf_greedy",
+        "def f():\n    import tests.hf.conftest",
+    ]
+    for source in sources:
+        assert any(_is_test_module(p) for p in _imported_tests_files(source)), source
+    helper = _imported_tests_files("from tests.hf.fake_engine import FakeEngine")
+    assert helper == {TESTS / "hf" / "fake_engine.py"}
+    assert not _is_test_module(TESTS / "hf" / "fake_engine.py")
