@@ -13,6 +13,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
+from hf_paged.engine.proposers import NgramProposer
 from hf_paged.integration import dispatch
 from hf_paged.testing import build_hf_model
 
@@ -122,6 +123,13 @@ def test_provide_beams_refuses_bad_calls_and_changes_nothing(hf):
         engine.provide_beams([beam, beam], [[0], [0]], [[3], [3]])
     with pytest.raises(ValueError, match="without external_sampling"):
         engine.add_request([5], PARAMS, beam_search=True)
+    with pytest.raises(ValueError, match="beams do not speculate"):  # no rollback of beams
+        engine.add_request([5], PARAMS, external_sampling=True, beam_search=True,
+                           proposer=NgramProposer(2))  # fmt: skip
+    with pytest.raises(ValueError, match="provide_token is not allowed .* beam search"):
+        engine.provide_token(beam, 3)  # one token for which beam?
+    with pytest.raises(ValueError, match="reset_tokens is not allowed .* beam search"):
+        engine.reset_tokens(beam, [5, 6, 7, 3])
     assert (seq.token_ids, engine.block_manager.ref_counts) == before
     engine.provide_beams([beam], [[0, 0]], [[3, 4]])  # a good call still works
     assert [s.token_ids for s in engine.requests.by_id[beam].seqs] == [[5, 6, 7, 3], [5, 6, 7, 4]]

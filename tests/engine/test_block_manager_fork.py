@@ -147,3 +147,26 @@ def test_scheduler_hands_the_steps_copies_to_the_model_input():
     sched.update(out, [1, 2])
     assert sched.schedule().blocks_to_copy == []  # nothing shared is written any more
     assert b.status == SequenceStatus.RUNNING
+
+
+def test_rollback_of_a_fork_lets_go_of_the_shared_block_it_ends_in():
+    """Speculative rollback beside forks: a sequence rolled back into a block another one also
+    holds must not write into it later, so it releases that block (its tokens there are
+    recomputed into a fresh block, no copy); the full shared blocks before it stay shared and
+    the other sequence keeps every block."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq_of(range(10))
+    assert bm.allocate_slots(a, 10)
+    computed(a, bm)  # blocks [0, 1, 2]; block 2 holds tokens 8, 9
+    b = forked(bm, a)
+    assert bm.rollback(b, 9) == 8  # the new end (token 9) falls in shared block 2
+    assert b.block_table == [0, 1] and len(b.block_hashes) == 2
+    assert a.block_table == [0, 1, 2] and bm.ref_counts[:3] == [2, 2, 1]
+    b.num_computed_tokens = 8
+    assert bm.allocate_slots(b, 2)  # tokens 8 and 9 again, into a block of its own
+    assert b.block_table == [0, 1, 3] and bm.take_copies() == []
+    assert bm.rollback(b, 6) == 4  # into cached (full, registered) block 1: released too
+    assert b.block_table == [0] and bm.ref_counts[:4] == [2, 1, 1, 0]
+    for s in (a, b):
+        bm.free(s)
+    assert bm.ref_counts == [0] * 8
