@@ -106,6 +106,16 @@ class ModelInput:
         """Every chunk is one token that is sampled (CUDA-graph eligible)."""
         return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
 
+    @classmethod
+    def synthetic_prefill(cls, lens: list[int], blocks_per_seq: int) -> ModelInput:
+        """Whole prompts of ``lens`` tokens (the runner's warm-up); sequence i owns blocks
+        [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+        k = blocks_per_seq
+        return cls(
+            [ScheduledChunk(i, [0] * n, 0, list(range(i * k, (i + 1) * k)), True)
+             for i, n in enumerate(lens)]
+        )  # fmt: skip
+
 
 @dataclass
 class RunnerOutput:
