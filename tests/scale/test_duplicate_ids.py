@@ -14,7 +14,7 @@ datasets = pytest.importorskip("datasets")
 from hf_paged import LLM  # noqa: E402
 from hf_paged.rows import check_unique_ids  # noqa: E402
 from hf_paged.shard import shard_generate  # noqa: E402
-from tests.scale.scale_utils import ENGINE, GREEDY, make_model, make_prompts  # noqa: E402
+from tests.scale.scale_utils import ENGINE, GREEDY, make_model, text_prompts  # noqa: E402
 
 # 11 rows, three ids repeated (the case): 3 twice and 7 three times
 DUP_IDS = [0, 1, 2, 3, 3, 4, 5, 6, 7, 7, 7]
@@ -40,7 +40,7 @@ def model(tmp_path_factory):
 
 
 def test_shard_generate_refuses_before_writing(model, tmp_path):
-    prompts = make_prompts(len(DUP_IDS), seed=5)
+    prompts = text_prompts(len(DUP_IDS), seed=5)
     ds = datasets.Dataset.from_dict({"id": DUP_IDS, "prompt": prompts})
     out = tmp_path / "parts"
     with LLM(model, **ENGINE) as llm:  # an open LLM: the refusal comes before any generate
