@@ -10,7 +10,7 @@
 #   bash evaluation/run_gpu_clients.sh a    # memory tests, engine start, lm-eval generate_until
 #                                           # and multiple_choice at --batch_size 16
 #   bash evaluation/run_gpu_clients.sh b    # lm-eval loglikelihood_rolling, --batch_size auto
-#                                           # on all three tasks, the fp32 loglikelihood runs
+#                                           # on all three tasks, the fp32 runs (strings, loglikelihoods)
 #   bash evaluation/run_gpu_clients.sh c    # pipeline, hf-paged run, datasets.map, torchrun
 # `all` runs the three in a row (about 20 minutes: more than one call allows). Ray is not on the
 # GPU image: its client skips, naming why. Stock runs at the sizes take most of the time

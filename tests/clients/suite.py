@@ -53,7 +53,8 @@ class Size:
     mc_context_chars: int
     rolling_docs: int
     rolling_chars: int
-    fp32_mc_docs: int  # the fp32 loglikelihood check (0: the main runs are fp32 already)
+    fp32_gen_docs: int  # the fp32 checks: strings and loglikelihoods (0: runs are fp32 already)
+    fp32_mc_docs: int
     fp32_rolling_docs: int
     pipeline_prompts: int
     pipeline_new_tokens: int
@@ -69,7 +70,7 @@ SIZES = {
         name="cpu", device="cpu", dtype="float32", lm_eval_batch_size=4,
         gen_docs=12, gen_prefix_chars=40, max_gen_toks=16,
         mc_docs=16, mc_context_chars=30, rolling_docs=3, rolling_chars=300,
-        fp32_mc_docs=0, fp32_rolling_docs=0,
+        fp32_gen_docs=0, fp32_mc_docs=0, fp32_rolling_docs=0,
         pipeline_prompts=6, pipeline_new_tokens=8, stock_pipeline_prompts=6,
         prompts=6, new_tokens=8, timeout_s=600,
     ),
@@ -78,7 +79,7 @@ SIZES = {
         name="gpu", device="cuda", dtype="bfloat16", lm_eval_batch_size=16,
         gen_docs=384, gen_prefix_chars=400, max_gen_toks=128,
         mc_docs=1000, mc_context_chars=300, rolling_docs=200, rolling_chars=1500,
-        fp32_mc_docs=200, fp32_rolling_docs=50,
+        fp32_gen_docs=96, fp32_mc_docs=200, fp32_rolling_docs=50,
         pipeline_prompts=64, pipeline_new_tokens=128, stock_pipeline_prompts=8,
         prompts=16, new_tokens=32, timeout_s=580,
     ),

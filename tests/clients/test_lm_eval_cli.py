@@ -123,8 +123,14 @@ def compare(kind: str, stock: list[dict], paged: list[dict], exact_scores: bool)
     assert len(stock) == len(paged) > 0
     assert [s["arguments"] for s in stock] == [s["arguments"] for s in paged]
     if kind == "generate_until":
+        # fp32: the strings must be stock's. bf16: recorded, not asserted: on the random-weight
+        # 0.6B model a change of batch shape alone moves greedy tokens (stock padded batches of
+        # 16 against stock rows alone: 2 of 16 rows identical on the H200,
+        # evaluation/diag_greedy_parity.py), so no bf16 run equals stock's batched strings
         same = sum(a["resps"] == b["resps"] for a, b in zip(stock, paged))
-        assert same == len(stock), f"{len(stock) - same} of {len(stock)} strings differ"
+        if exact_scores:
+            bad = [s["doc_id"] for s, p in zip(stock, paged) if s["resps"] != p["resps"]]
+            assert not bad, f"{len(bad)} of {len(stock)} strings differ (docs {bad[:8]})"
         return {"docs": len(stock), "identical_strings": same}
     scores = [([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]) for a, b in
               zip(stock, paged)]  # fmt: skip
@@ -181,13 +187,14 @@ def test_lm_eval_cli_batch_size_auto(size, checkpoint, tasks, workroot, results)
     results.add("lm_eval_cli.auto_all_tasks", [stock, paged], batch_size="auto", **facts)
 
 
-def test_lm_eval_cli_fp32_loglikelihoods(size, checkpoint, tasks, workroot, results):
+def test_lm_eval_cli_fp32(size, checkpoint, tasks, workroot, results):
     if not size.fp32_mc_docs:
         pytest.skip("this size runs fp32 already: its per-task runs compare loglikelihoods")
     out = workroot / "lm_eval_fp32"
     facts = {}
     runs = []
-    for kind, limit in (("multiple_choice", size.fp32_mc_docs),
+    for kind, limit in (("generate_until", size.fp32_gen_docs),
+                        ("multiple_choice", size.fp32_mc_docs),
                         ("loglikelihood_rolling", size.fp32_rolling_docs)):  # fmt: skip
         name = TASKS[kind]
         stock_cmd, paged_cmd = commands(size, checkpoint, tasks, [name], out / name,

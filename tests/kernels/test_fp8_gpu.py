@@ -108,10 +108,31 @@ def test_block_gemm_replays_in_a_cuda_graph():
     assert torch.equal(out, fp8_linear(x, w, s, (128, 128))) and not torch.equal(out, eager)
 
 
+def _fake_quant_activations(model, group: int):
+    """Forward pre-hooks on every ``nn.Linear`` but the head: the input is replaced by its
+    per-token-group FP8 round trip (``per_token_group_quant_ref``), so a model with dequantized
+    weights computes what a W8A8 block GEMM computes (up to its fp32 accumulation order)."""
+    from hf_paged.kernels.fp8_quant import per_token_group_quant_ref
+
+    def hook(module, args):
+        (x,) = args
+        flat = x.reshape(-1, x.shape[-1])
+        q, scale = per_token_group_quant_ref(flat, group)
+        back = q.float() * scale.repeat_interleave(group, dim=1)[:, : flat.shape[1]]
+        return (back.to(x.dtype).reshape(x.shape),)
+
+    head = model.get_output_embeddings()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not head:
+            m.register_forward_pre_hook(hook)
+
+
 def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
     """A 2-layer FP8 Llama (hidden 256: whole 128-blocks) on CUDA against transformers'
-    dequantized model (W8A8 against W8A16): the top-20 next-token logprobs agree (centred cosine
-    > 0.99) over 8 prompts."""
+    dequantized model with activations quantized per token group of 128 as the block GEMM does
+    (W8A8 against W8A8): the top-20 next-token logprobs agree (centred cosine > 0.999) and the
+    greedy token is the reference's (up to bf16 ties) over 8 prompts. (Against the W8A16 model, activation
+    quantization alone gave a centred cosine of 0.982 on one prompt on the H200.)"""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     from hf_paged import LLM, SamplingParams
@@ -125,10 +146,12 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
         tmp_path / "q", quantization_config=FineGrainedFP8Config(dequantize=True),
         dtype=torch.bfloat16, device_map="cuda",
     )  # fmt: skip
+    _fake_quant_activations(ref, 128)
     prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
     with LLM(str(tmp_path / "q"), max_model_len=128, dtype="bfloat16") as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
+    cosines = []
     for p, o in zip(prompts, outs):
         with torch.no_grad():
             logits = ref(torch.tensor([p], device="cuda")).logits[0, -1].float()
@@ -138,4 +161,7 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
         got = torch.tensor(list(top.values()), device="cuda")
         ref_top = want[ids]
         cos = torch.nn.functional.cosine_similarity(got - got.mean(), ref_top - ref_top.mean(), 0)
-        assert cos.item() > 0.99
+        cosines.append(round(cos.item(), 5))
+        # the greedy token is the reference's, or ties with it in bf16 (within 0.02 nats)
+        assert want[o.token_ids[0]] >= want.max() - 0.02, (p, o.token_ids[0], int(want.argmax()))
+    assert min(cosines) > 0.999, cosines
