@@ -104,6 +104,19 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.specs)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` onto block ``dst`` for each ``(src, dst)``, K and V of every layer
+        (copy on write of forked blocks). Every source is read before any destination is
+        written; destinations must be distinct."""
+        if not pairs:
+            return
+        device = self.storage[0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        for t in self.storage:  # [2, n, num_blocks, ...] (K and V together) or [n, num_blocks, ...]
+            dim = t.dim() - 4
+            t.index_copy_(dim, dst, t.index_select(dim, src))
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.storage)
 

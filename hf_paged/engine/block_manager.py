@@ -10,6 +10,14 @@ block is in exactly one of three states:
 The prefix cache maps a chained hash ``hash_block(parent_hash, block_tokens)`` to a block id. A
 block is registered once it is full and its KV computed, so a later sequence with the same leading
 tokens can take it instead of recomputing it (vLLM v1's ``KVCacheManager``, simplified).
+
+Forks (beam search): ``fork`` gives a new sequence every block of another, one more reference
+each. Before a sequence writes into a block another sequence also holds (the shared, partially
+filled last block of a fork), ``allocate_slots`` gives it a fresh block instead and records
+``(src_block, dst_block)``; the runner copies those blocks' K/V in every layer before the step's
+forward (``take_copies`` hands the step's list to the scheduler). Only blocks at or past
+``num_computed_tokens`` are ever written, and those are never registered in the prefix cache,
+so a copied block has no hash to move: a full block's hash is the same whichever fork holds it.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class BlockManager:
         ref_counts: per block, how many sequences hold it (read-only for callers).
         num_prefix_queries_tokens: tokens looked up in the prefix cache since ``reset_stats``.
         num_prefix_hit_tokens: of those, tokens found (whole blocks).
+        num_copied_blocks: copy-on-write copies recorded since construction.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -55,6 +64,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._block_hash: list[int | None] = [None] * num_blocks  # set while registered
         self._block_key: list[BlockKey | None] = [None] * num_blocks  # for the collision check
+        self._copies: dict[int, int] = {}  # dst block -> src block, recorded since take_copies
+        self.num_copied_blocks = 0
         self.reset_stats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -120,7 +131,9 @@ class BlockManager:
         Covers ``seq.num_computed_tokens + len(computed_blocks) * block_size + num_new_tokens``
         tokens. ``computed_blocks`` (from ``get_computed_blocks``) go first, one reference each;
         new blocks come from the free list, then by evicting the least recently freed cached
-        block (its prefix-cache entry is dropped).
+        block (its prefix-cache entry is dropped). A block of ``seq`` the new tokens will be
+        written into that another sequence also holds is replaced by a new one (copy on
+        write: the copy is recorded for ``take_copies``).
 
         Returns:
             True on success; False, with nothing changed, when not enough blocks can be had.
@@ -135,10 +148,25 @@ class BlockManager:
         bs = self.block_size
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         num_needed = -(-num_tokens // bs) - len(seq.block_table) - len(computed_blocks)
+        # blocks this step writes into (from the first uncomputed token on) that another
+        # sequence also holds: copied on write (a fork's shared, partially filled last block)
+        table = seq.block_table
+        shared = [
+            i
+            for i in range(seq.num_computed_tokens // bs, len(table))
+            if self.ref_counts[table[i]] > 1
+        ]
         # cached blocks taken from the evictable LRU no longer count as obtainable
         num_revived = sum(1 for b in set(computed_blocks) if self.ref_counts[b] == 0)
-        if num_needed > self.num_free_blocks - num_revived:
+        if num_needed + len(shared) > self.num_free_blocks - num_revived:
             return False
+        for i in shared:
+            src, dst = table[i], self._take_block()
+            self.ref_counts[src] -= 1  # stays >= 1: another sequence holds it
+            self.ref_counts[dst] = 1
+            table[i] = dst
+            self._copies[dst] = src  # a later copy into the same dst (it was freed) wins
+            self.num_copied_blocks += 1
         for block_id in computed_blocks:
             if self.ref_counts[block_id] == 0:
                 del self._evictable[block_id]
@@ -217,6 +245,30 @@ class BlockManager:
         del seq.block_table[keep:]
         del seq.block_hashes[num_tokens // bs :]
         return num_tokens
+
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        """``dst`` takes every block of ``src`` (one more reference each) and its block hashes.
+
+        The blocks stay shared until one of the two writes into one (``allocate_slots`` copies
+        it then). ``dst`` is typically ``src.fork()``.
+
+        Raises:
+            ValueError: ``dst`` already has blocks.
+        """
+        if dst.block_table:
+            raise ValueError(f"fork into {dst!r} is not allowed: it already has blocks")
+        for block_id in src.block_table:
+            self.ref_counts[block_id] += 1
+        dst.block_table = list(src.block_table)
+        dst.block_hashes = list(src.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The ``(src_block, dst_block)`` copies recorded since the last call, one per dst. The
+        runner applies them before the step's forward, every source read before any destination
+        is written (a source block freed and handed out again in the same step still gives its
+        old contents)."""
+        copies, self._copies = [(s, d) for d, s in self._copies.items()], {}
+        return copies
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no sequence holds (they become free blocks); blocks in use

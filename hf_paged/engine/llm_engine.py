@@ -10,6 +10,9 @@ External sampling (used by the HF ``generate`` integration): such a request is n
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
 ``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
 ``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
+Paused sequences whose blocks waiting ones need are parked (``paused.py``). A beam-search
+request (``beam_search=True``) is external too: its sequences are its beams, and
+``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``beams.py``).
 
 Speculative decoding: a request added with a ``proposer`` (``proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
@@ -24,10 +27,17 @@ from itertools import count
 import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.engine import beams, paused
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.outputs import RequestOutput
 from hf_paged.engine.overlap import OverlapStepper
-from hf_paged.engine.request import EngineRequest, RequestGroup, RequestStream, validate_prompt
+from hf_paged.engine.request import (
+    EngineRequest,
+    RequestGroup,
+    RequestStream,
+    check_request_args,
+    validate_prompt,
+)  # fmt: skip
 from hf_paged.engine.request import run as _run_requests
 from hf_paged.engine.request import stream as _stream_requests
 from hf_paged.engine.request_state import RequestState, RequestTable
@@ -35,6 +45,7 @@ from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.spec_decode import SpecDecoder, check_proposer
+from hf_paged.engine.stats import engine_stats
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop import StopStrings, StopStringsCache
@@ -61,7 +72,10 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
         self.requests = RequestTable(self.runtime.device)
-        self._paused: dict[int, Sequence] = {}  # external seqs waiting for provide_token
+        # external seqs whose logits were handed out, waiting for their token; a parked one
+        # (preempted meanwhile) holds no blocks and has status WAITING (``paused.py``)
+        self._paused: dict[int, Sequence] = {}
+        self.num_parked = 0  # paused sequences whose blocks were freed for waiting ones
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.executor import create_executor
@@ -109,6 +123,7 @@ class LLMEngine:
         external_sampling: bool = False,
         stop_strings: StopStrings | None = None,
         proposer=None,
+        beam_search: bool = False,
     ) -> int | str:
         """Queue a request; returns its id.
 
@@ -117,36 +132,27 @@ class LLMEngine:
                 None = built from the engine's tokenizer.
             proposer: proposes speculative tokens for it (``NgramProposer``,
                 ``DraftModelProposer``); None = one token per step.
+            beam_search: an external request whose beams the caller sets with
+                ``provide_beams``; ``step`` reports its logits per beam (``beam_logits``).
 
         Raises:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
         """
         self._check_open()
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
-        ids = self.validate_prompt(prompt_token_ids)
-        nxt = params.prompt_logprobs_next
-        if nxt is not None and nxt >= self.runtime.vocab_size:
-            raise ValueError(
-                f"prompt_logprobs_next={nxt} is not allowed: must be in "
-                f"[0, {self.runtime.vocab_size})"
-            )
-        if external_sampling and params.n != 1:
-            raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
         if proposer is not None:
             check_proposer(proposer)
-            if external_sampling:
-                raise ValueError(
-                    "proposer=... is not allowed with external_sampling=True: the caller samples "
-                    "each token itself"
-                )
+        params = check_request_args(
+            params, self.runtime.vocab_size, external_sampling=external_sampling,
+            proposer=proposer, beam_search=beam_search,
+        )  # fmt: skip
+        ids = self.validate_prompt(prompt_token_ids)
         matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
         rid = next(self._ids) if request_id is None else request_id
         req = RequestState.build(
             rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher,
             proposer,
         )  # fmt: skip
+        req.beam_search = beam_search
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -167,22 +173,7 @@ class LLMEngine:
 
     def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
         """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
-        req = self.requests.by_id[request_id]
-        seq = req.seqs[0]
-        if seq.seq_id not in self._paused:
-            raise ValueError(f"request_id={request_id!r} is not waiting for a token")
-        if not (0 <= token_id < self.runtime.vocab_size):
-            raise ValueError(
-                f"token_id={token_id} is not allowed: must be in [0, {self.runtime.vocab_size})"
-            )
-        del self._paused[seq.seq_id]
-        seq.append_token(int(token_id))
-        if finish:
-            self.finish_sequence(seq, "stop")
-        elif len(seq) >= self.runtime.max_model_len:
-            self.finish_sequence(seq, "length")
-        else:
-            self.scheduler.running.append(seq)
+        paused.provide_token(self, request_id, token_id, finish)
 
     def awaits_token(self, request_id) -> bool:
         """External sampling: the request is paused with its next-token logits handed out."""
@@ -190,37 +181,15 @@ class LLMEngine:
         return req is not None and req.seqs[0].seq_id in self._paused
 
     def reset_tokens(self, request_id, token_ids: list[int]) -> None:
-        """External sampling: make the request's sequence hold exactly ``token_ids`` (its
-        prompt first). The KV of the longest common prefix is kept (but for the last token,
-        which is computed again so that the next step returns the logits after it), the rest
-        is rolled back; the request runs again and pauses with those logits.
+        """External sampling: the request's sequence holds exactly ``token_ids`` (``paused.py``)."""
+        paused.reset_tokens(self, request_id, token_ids)
 
-        Raises:
-            ValueError: not an open external request, ``token_ids`` does not start with its
-                prompt, or is as long as ``max_model_len``.
-        """
-        req = self.requests.by_id.get(request_id)
-        if req is None or not req.external or req.seqs[0].is_finished:
-            raise ValueError(f"request_id={request_id!r} is not an open external-sampling request")
-        seq, ids = req.seqs[0], list(token_ids)
-        if ids[: seq.num_prompt_tokens] != req.prompt_token_ids:
-            raise ValueError(
-                f"token_ids is not allowed for request_id={request_id!r}: must start with its "
-                f"prompt ({seq.num_prompt_tokens} tokens)"
-            )
-        if len(ids) >= self.runtime.max_model_len:
-            raise ValueError(
-                f"token_ids of {len(ids)} tokens is not allowed: must be < max_model_len="
-                f"{self.runtime.max_model_len}"
-            )
-        common = seq.num_prompt_tokens
-        limit = min(len(seq), len(ids))
-        while common < limit and seq.token_ids[common] == ids[common]:
-            common += 1
-        self.scheduler.rollback(seq, common, num_computed=min(common, len(ids) - 1))
-        seq.token_ids.extend(ids[common:])
-        if self._paused.pop(seq.seq_id, None) is not None:
-            self.scheduler.running.append(seq)  # a preempted one stays in ``waiting``
+    def provide_beams(self, request_ids: list, parents: list[list[int]],
+                      token_ids: list[list[int]]) -> None:  # fmt: skip
+        """Beam search: every request of ``request_ids`` gets its next beams, beam ``j`` of
+        request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
+        (``beams.py``)."""
+        beams.provide_beams(self, request_ids, parents, token_ids)
 
     # ---- driving requests ---------------------------------------------------------------
 
@@ -253,8 +222,8 @@ class LLMEngine:
             if self.requests.num_spec:  # such requests step synchronously: tokens on the host
                 self.spec.propose(self.scheduler.running)
             out = self.scheduler.schedule()
-            while out.is_empty and self._paused and self.scheduler.waiting:
-                self._preempt_paused()  # paused sequences hold the blocks the waiting ones need
+            # paused sequences hold the blocks the waiting ones need: park them, newest first
+            while out.is_empty and self.scheduler.waiting and paused.park_newest(self):
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
             if out.is_empty:
@@ -266,13 +235,6 @@ class LLMEngine:
                 self._stepper.run_sync(out, result)
             self._collect_finished(result)
         return result
-
-    def _preempt_paused(self) -> None:
-        seq = max(self._paused.values(), key=lambda s: s.arrival)
-        del self._paused[seq.seq_id]
-        self.block_manager.free(seq)
-        seq.reset_for_recompute()
-        self.scheduler.add(seq)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
@@ -297,32 +259,8 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_preemptions": self.scheduler.num_preemptions,
-            "max_num_running_seqs": self.scheduler.max_num_running_seqs,
-            "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
-            "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-            "num_kv_blocks": self.runtime.num_kv_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_overlapped_steps": self._overlap.num_launched if self._overlap else 0,
-            "num_held_back": self.scheduler.num_held_back,  # waits for a prefix being prefilled
-            "spec_num_chunks": self.spec.num_spec_chunks,  # chunks that verified proposals
-            "spec_num_draft_tokens": self.spec.num_draft_tokens,
-            "spec_num_accepted_tokens": self.spec.num_accepted_tokens,
-            "spec_acceptance_rate": self.spec.acceptance_rate,
-            **self._profile_stats(),
-        }
-
-    def _profile_stats(self) -> dict:
-        if not self.profile.enabled:
-            return {}
-        prof = self.profile.summary()
-        runner = getattr(self.executor, "runner", None)
-        if runner is not None:
-            prof.update(runner.profile.summary())
-        return {"profile": prof}
+        """The engine's counters (``stats.py``)."""
+        return engine_stats(self)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -29,7 +29,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine import memory_probe
 from hf_paged.engine.memory import KVCacheMemoryError
-from hf_paged.engine.outputs import ModelInput, RunnerOutput, ScheduledChunk
+from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
 from hf_paged.engine.runner_memory import RunnerMemory
 from hf_paged.engine.step_profile import StepProfile
@@ -204,25 +204,13 @@ class ModelRunner:
         num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
         blocks_per_seq = -(-seq_len // self.block_size)
         self._set_kv_cache(num_seqs * blocks_per_seq)  # freed by the caller
-        return self.prepare_prefill(self._synthetic_prefill([seq_len] * num_seqs, blocks_per_seq))
+        inp = ModelInput.synthetic_prefill([seq_len] * num_seqs, blocks_per_seq)
+        return self.prepare_prefill(inp)
 
     @torch.inference_mode()
     def _warmup_forward(self, input_ids, positions, meta, logits_idx) -> torch.Tensor | None:
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logits_idx])
-
-    @staticmethod
-    def _synthetic_prefill(lens: list[int], blocks_per_seq: int) -> ModelInput:
-        """Whole prompts of ``lens`` tokens; sequence i owns blocks
-        [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
-        return ModelInput(
-            [
-                ScheduledChunk(
-                    i, [0] * n, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True
-                )
-                for i, n in enumerate(lens)
-            ]
-        )
 
     def kv_block_bytes(self) -> int:
         """Bytes one block id costs: every layer's K and V (layers may differ)."""
@@ -411,6 +399,7 @@ class ModelRunner:
         ``sampling`` (one row each, in order) and returns the external rows' raw logits."""
         prof = self.profile
         with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
             input_ids, positions, meta, logits_idx = prepare(inp)
         scores = None
@@ -460,6 +449,7 @@ class ModelRunner:
         is row r of ``prev``'s sampled tokens, taken on the device."""
         prof = self.profile
         with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)
             prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
             input_ids, positions, meta, logits_idx = prepare(inp)
             if prev is not None and prev_rows is not None:

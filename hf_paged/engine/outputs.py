@@ -18,6 +18,8 @@ class SchedulerOutput:
     seqs: list[Sequence]  # scheduled sequences, running order (prefill chunks and decodes mixed)
     num_new_tokens: list[int]  # per seq: tokens whose KV this step computes (1 for a decode)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+    # copy-on-write of forked blocks: (src_block, dst_block), applied before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -42,7 +44,7 @@ class SchedulerOutput:
             chunks.append(chunk)
             if sample:
                 sampled.append(seq)
-        return ModelInput(chunks), sampled
+        return ModelInput(chunks, self.blocks_to_copy), sampled
 
 
 @dataclass
@@ -96,11 +98,23 @@ class ModelInput:
     """One forward pass: every rank gets the same ModelInput."""
 
     chunks: list[ScheduledChunk]
+    # (src_block, dst_block): copy these blocks' K/V in every layer before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         """Every chunk is one token that is sampled (CUDA-graph eligible)."""
         return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
+
+    @classmethod
+    def synthetic_prefill(cls, lens: list[int], blocks_per_seq: int) -> ModelInput:
+        """Whole prompts of ``lens`` tokens (the runner's warm-up); sequence i owns blocks
+        [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+        k = blocks_per_seq
+        return cls(
+            [ScheduledChunk(i, [0] * n, 0, list(range(i * k, (i + 1) * k)), True)
+             for i, n in enumerate(lens)]
+        )  # fmt: skip
 
 
 @dataclass

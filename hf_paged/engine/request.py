@@ -56,6 +56,38 @@ def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> li
     return ids
 
 
+def check_request_args(params, vocab_size: int, *, external_sampling: bool, proposer,
+                       beam_search: bool) -> SamplingParams:  # fmt: skip
+    """``add_request``'s checks on its arguments but the prompt; returns the params (None =
+    defaults).
+
+    Raises:
+        TypeError: ``params`` is not a SamplingParams.
+        ValueError: ``prompt_logprobs_next`` outside the vocabulary, ``n != 1`` or a proposer
+            with external sampling, beam search without external sampling.
+    """
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
+    nxt = params.prompt_logprobs_next
+    if nxt is not None and nxt >= vocab_size:
+        raise ValueError(f"prompt_logprobs_next={nxt} is not allowed: must be in [0, {vocab_size})")
+    if external_sampling and params.n != 1:
+        raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+    if beam_search and not external_sampling:
+        raise ValueError("beam_search=True is not allowed without external_sampling=True")
+    if proposer is not None and beam_search:
+        raise ValueError(
+            "proposer=... is not allowed with beam_search=True: beams do not speculate"
+        )
+    if proposer is not None and external_sampling:
+        raise ValueError(
+            "proposer=... is not allowed with external_sampling=True: the caller samples each "
+            "token itself"
+        )
+    return params
+
+
 def _check_each_id(ids: list, vocab_size: int) -> None:
     """Convert ``ids`` to ints in place, raising on the first one that is not allowed."""
     for pos, t in enumerate(ids):
@@ -99,9 +131,12 @@ class RequestGroup:
         """Requests added and not yet reported finished."""
         return len(self._open)
 
-    def add(self, request: EngineRequest, *, external_sampling: bool = False):
+    def add(self, request: EngineRequest, *, external_sampling: bool = False,
+            beam_search: bool = False):  # fmt: skip
         """Queue one request; returns its id. Raises what ``add_request`` raises (nothing queued)."""
         kwargs = {"external_sampling": external_sampling}
+        if beam_search:
+            kwargs["beam_search"] = True
         if request.prompt is not None:
             kwargs["prompt"] = request.prompt
         if request.stop_strings is not None:

@@ -36,6 +36,8 @@ class RequestState:
     prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
     proposer: object | None = None  # proposes speculative tokens (``engine/proposers.py``)
+    # external beam search: ``seqs`` are its beams, replaced each step by ``provide_beams``
+    beam_search: bool = False
 
     @classmethod
     def build(
@@ -54,7 +56,9 @@ class RequestState:
             stop_ids=eos + params.stop_token_ids, stop_strings=stop_strings, proposer=proposer,
         )  # fmt: skip
         if params.prompt_logprobs is not None:
-            scored = ids if params.prompt_logprobs_next is None else [*ids, params.prompt_logprobs_next]
+            scored = (
+                ids if params.prompt_logprobs_next is None else [*ids, params.prompt_logprobs_next]
+            )
             req.prompt_lps = PromptLogprobState(
                 scored, params.prompt_logprobs, params.prompt_logprobs_start
             )
@@ -125,6 +129,17 @@ class RequestTable:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(req.params.seed + i)
                 self._generators[seq.seq_id] = g
+
+    def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
+        """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""
+        keep = {s.seq_id for s in seqs}
+        for seq in req.seqs:
+            if seq.seq_id not in keep:
+                self._by_seq.pop(seq.seq_id, None)
+                self._generators.pop(seq.seq_id, None)
+        for seq in seqs:
+            self._by_seq[seq.seq_id] = req
+        req.seqs = list(seqs)
 
     def of(self, seq_id: int) -> RequestState | None:
         """The request a sequence belongs to (None once reported)."""

@@ -124,6 +124,9 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             token_budget -= num_new
         self.max_num_running_seqs = max(self.max_num_running_seqs, len(self.running))
+        # a copy is recorded only for a sequence this step runs (allocation succeeded, and a
+        # scheduled sequence is never a later victim), so an empty step drops none that matter
+        out.blocks_to_copy = bm.take_copies()
         return out
 
     def _with_spec_tokens(self, seq: Sequence, num_new: int, token_budget: int) -> int:

@@ -85,6 +85,17 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def fork(self) -> Sequence:
+        """A new sequence (its own ``seq_id``) with this one's tokens, progress, request, arrival
+        and status, and no blocks: ``BlockManager.fork`` gives it this one's blocks."""
+        child = Sequence(self.token_ids, self.sampling_params, self.request_id, self.arrival)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.max_cached_tokens = self.max_cached_tokens
+        return child
+
     def reset_for_recompute(self) -> None:
         """Preempted: drop its KV; prompt and output so far are recomputed later."""
         self.status = SequenceStatus.WAITING

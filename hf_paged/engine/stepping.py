@@ -26,6 +26,8 @@ class StepResult:
     # external-sampling requests: request_id -> next-token raw logits [V] float32 (on the
     # engine's device)
     logits: dict = field(default_factory=dict)
+    # external beam-search requests: (request_id, beam index) -> next-token raw logits [V]
+    beam_logits: dict = field(default_factory=dict)
     num_generated_tokens: int = 0  # tokens sampled (or handed out as logits) by this step
 
 
@@ -77,7 +79,10 @@ class Stepper:
         for seq, req, r0, n, old in zip(sampled_seqs, reqs, starts, counts, old_lens):
             if req.external:
                 self.engine.pause(seq)
-                result.logits[req.request_id] = ro.logits[r0]
+                if req.beam_search:
+                    result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[r0]
+                else:
+                    result.logits[req.request_id] = ro.logits[r0]
                 result.num_generated_tokens += 1
                 continue
             got = verified.get(seq.seq_id)

@@ -179,7 +179,7 @@ class PagedGenerateMap:
             raise NotImplementedError(
                 f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
             ) from None
-        if any(c.input_ids.shape[0] != 1 for c in calls):
+        if any(_generations_per_row(c) != 1 for c in calls):
             raise ValueError(
                 f"num_return_sequences={self.generate_kwargs.get('num_return_sequences')} is not "
                 "allowed: paged_generate_map writes one generation per row"
@@ -243,6 +243,13 @@ class PagedGenerateMap:
     def __reduce__(self):
         # datasets hashes the map function by pickling it: hash a token, never the model
         return (_unpicklable, (self._token,))
+
+
+def _generations_per_row(call) -> int:
+    """Outputs one row's ``generate`` call returns (a beam call's rows are its beams)."""
+    if isinstance(call, paged_call.PreparedCall):
+        return call.generation_config.num_return_sequences
+    return call.input_ids.shape[0]
 
 
 def _unpicklable(token: str):

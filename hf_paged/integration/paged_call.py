@@ -12,6 +12,9 @@ the processors it builds are stock's by construction. Then one of two paths:
   the caller observes nothing per step; each row is an ordinary engine request.
 * external (``external.py``): stock ``_sample``'s loop body on the engine's logits, step by step.
 
+A ``num_beams > 1`` call (beam search, beam sampling) runs stock ``_beam_search``'s loop body on
+the engine's forked beams instead (``beam_search.py``).
+
 An assisted call (``prompt_lookup_num_tokens``, ``assistant_model``) is a native call whose
 requests carry a proposer (``assisted.py``): the engine verifies several proposed tokens a step.
 
@@ -30,6 +33,7 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_paged.integration.assisted import draft_proposer, spec_plan
+from hf_paged.integration.beam_search import generate_beams
 from hf_paged.integration.external import run_external
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import NativeCall, NativePlan, plan_call
@@ -48,12 +52,15 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
-        ``GenerateDecoderOnlyOutput`` (no cache) with ``return_dict_in_generate``.
+        ``GenerateDecoderOnlyOutput`` (no cache) with ``return_dict_in_generate`` (a
+        ``GenerateBeamDecoderOnlyOutput`` for beams).
 
     Raises:
         PagedFallback: before any request is queued.
     """
     call = prepare_call(model, **generate_kwargs)
+    if call.beams:  # beam search / beam sampling
+        return generate_beams(model, get_engine(), call)
     spec = spec_plan(call) if call.assisted else None  # its fallbacks need no engine
     engine = get_engine()
     native = plan_call(call, engine.runtime, spec=spec)
@@ -94,6 +101,8 @@ def plan_generate(model, runtime, generate_kwargs: dict, cache: PlanCache | None
         rows = NativeCall(ids, ids.tolist(), pad, plan)
         return plan_call(rows, runtime, plan)
     call = prepare_call(model, **generate_kwargs)
+    if call.beams:  # one generate call of its own (beam_search.py)
+        return call
     spec = spec_plan(call) if call.assisted else None
     if spec is not None and spec.kind == "draft":
         raise PagedFallback(

@@ -195,8 +195,8 @@ def _warper_reason(p) -> str | None:
 def native_plan(call, vocab_size: int) -> NativePlan | None:
     """``plan_native`` for a prepared generate call; None when it must sample externally (it
     observes steps: a streamer, scores, user processors or criteria; or HF objects the engine's
-    sampler lacks)."""
-    if call.observed:
+    sampler lacks; or it is a beam search, ``beam_search.py``)."""
+    if call.observed or call.beams:
         return None
     plan, _ = plan_native(
         call.processors,

@@ -23,6 +23,15 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.integration.fallback import PagedFallback
 
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
+# beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
+# ``custom_generate`` code in transformers v5 and run stock
+_SERVED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+    GenerationMode.ASSISTED_GENERATION,
+)
 
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
 # values ...) changes what the model computes, so the call runs stock
@@ -32,7 +41,8 @@ _MODEL_KWARGS = frozenset({"attention_mask", "use_cache", "logits_to_keep"})
 @dataclass
 class PreparedCall:
     """One generate call, prepared as stock prepares it (rows already repeated for
-    ``num_return_sequences``). Derived values are computed once, here."""
+    ``num_return_sequences``, or ``num_beams`` for beams). Derived values are computed once,
+    here."""
 
     input_ids: torch.Tensor  # [B, L] as given, padding included
     prompts: list[list[int]]  # per row: the attended tokens (the engine's prompt)
@@ -49,6 +59,7 @@ class PreparedCall:
     pad_token_id: int | None
     assisted: bool = False  # assisted decoding (prompt lookup or an assistant model)
     assistant_model: object | None = None
+    beams: bool = False  # beam search or beam sampling (num_beams > 1; ``beam_search.py``)
 
 
 def prepare_call(
@@ -87,7 +98,7 @@ def prepare_call(
 
     input_ids, expanded = model._expand_inputs_for_generation(
         input_ids=inputs_tensor,
-        expand_size=gen.num_return_sequences,
+        expand_size=max(gen.num_beams, gen.num_return_sequences),  # as stock: rows per prompt
         is_encoder_decoder=False,
         attention_mask=mask,
     )
@@ -140,6 +151,7 @@ def prepare_call(
         pad_token_id=None if pad is None else int(pad),
         assisted=mode == GenerationMode.ASSISTED_GENERATION,
         assistant_model=assistant_model,
+        beams=mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE),
     )
 
 
@@ -174,8 +186,7 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
 
 
 def _check_generation_config(gen, mode) -> None:
-    served = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-    if mode not in served + (GenerationMode.ASSISTED_GENERATION,):
+    if mode not in _SERVED_MODES:
         raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gen, flag, False):

@@ -162,11 +162,15 @@ def test_auto_generate_equals_stock(paged_pipe, stock_pipe):
     torch.testing.assert_close(torch.stack(paged.scores), torch.stack(stock.scores), atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-def test_auto_generate_rejects_what_only_stock_does(paged_pipe):
+def test_auto_generate_rejects_what_only_stock_does(paged_pipe, stock_pipe):
     model = paged_pipe.model
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(NotImplementedError, match="beam_search"):
-        model.generate(ids, num_beams=2, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model.generate(
+            ids, max_new_tokens=2, output_hidden_states=True, return_dict_in_generate=True
+        )
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=4)  # served since issue 25
+    assert torch.equal(model.generate(ids, **beams), stock_pipe.model.generate(ids, **beams))
     with pytest.raises(NotImplementedError, match="assisted"):
         model.generate(ids, assistant_model=model, max_new_tokens=2)
     with pytest.raises(ValueError, match="backend='hf' is not allowed"):
@@ -218,6 +222,9 @@ def test_datasets_map_external_options_fall_back_to_one_padded_call(paged_pipe, 
     fn = paged_generate_map(paged_pipe.model, tok, stopping_criteria=[Never()], use_tqdm=False, **GREEDY)  # fmt: skip
     out = fn({"prompt": PROMPTS})
     assert out["generated"] == [stock_new_text(hf, tok, p, **GREEDY) for p in PROMPTS]
+    beams = paged_generate_map(paged_pipe.model, tok, num_beams=3, use_tqdm=False, **GREEDY)
+    out = beams({"prompt": PROMPTS})  # beam search: the padded call, served on the engine
+    assert out["generated"] == [stock_new_text(hf, tok, p, num_beams=3, **GREEDY) for p in PROMPTS]
 
 
 def test_datasets_map_bad_input(paged_pipe, stock_pipe):
@@ -226,8 +233,10 @@ def test_datasets_map_bad_input(paged_pipe, stock_pipe):
         fn({"text": ["a"]})
     with pytest.raises(ValueError, match=r"prompt\[1\]=3 is not allowed"):
         fn({"prompt": ["a", 3]})
-    beams = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, num_beams=2, **GREEDY)
-    with pytest.raises(NotImplementedError, match="beam_search"):
+    beams = paged_generate_map(
+        paged_pipe.model, stock_pipe.tokenizer, num_beams=2, num_return_sequences=2, **GREEDY
+    )
+    with pytest.raises(ValueError, match="num_return_sequences=2 is not allowed"):
         beams({"prompt": ["a"]})
     n2 = paged_generate_map(
         paged_pipe.model,

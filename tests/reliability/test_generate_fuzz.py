@@ -58,8 +58,8 @@ def model():
 def _counting(plan_call):
     """``plan_call`` that tallies which sampling path (engine-native or external) each call took."""
 
-    def wrapped(call, runtime, plan=None):
-        native = plan_call(call, runtime, plan)
+    def wrapped(call, runtime, plan=None, spec=None):
+        native = plan_call(call, runtime, plan, spec=spec)
         TALLY["external" if native is None else "native"] += 1
         return native
 

@@ -1,0 +1,39 @@
+"""``LLMEngine.stats``: the engine's counters in one dict (read-only; nothing here changes
+state)."""
+
+from __future__ import annotations
+
+
+def engine_stats(engine) -> dict:
+    """Scheduler, block-manager, speculative-decoding and (with ``HF_PAGED_PROFILE=1``)
+    per-section timing counters of ``engine``."""
+    bm, sched, spec = engine.block_manager, engine.scheduler, engine.spec
+    overlap = engine._overlap
+    return {
+        "num_preemptions": sched.num_preemptions,
+        "num_parked": engine.num_parked,  # paused (external) sequences preempted
+        "max_num_running_seqs": sched.max_num_running_seqs,
+        "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
+        "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+        "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+        "num_kv_blocks": engine.runtime.num_kv_blocks,
+        "num_free_blocks": bm.num_free_blocks,
+        "num_overlapped_steps": overlap.num_launched if overlap else 0,
+        "num_held_back": sched.num_held_back,  # waits for a prefix being prefilled
+        "num_copied_blocks": bm.num_copied_blocks,  # copy on write of forked blocks
+        "spec_num_chunks": spec.num_spec_chunks,  # chunks that verified proposals
+        "spec_num_draft_tokens": spec.num_draft_tokens,
+        "spec_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_acceptance_rate": spec.acceptance_rate,
+        **_profile_stats(engine),
+    }
+
+
+def _profile_stats(engine) -> dict:
+    if not engine.profile.enabled:
+        return {}
+    prof = engine.profile.summary()
+    runner = getattr(engine.executor, "runner", None)
+    if runner is not None:
+        prof.update(runner.profile.summary())
+    return {"profile": prof}
