@@ -23,7 +23,7 @@ import torch
 
 from hf_paged import envs as hf_envs
 from hf_paged import timings
-from hf_paged.attention import AttentionMetadata, select_backend
+from hf_paged.attention import select_backend
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
@@ -32,6 +32,7 @@ from hf_paged.engine.memory import KVCacheMemoryError
 from hf_paged.engine.outputs import ModelInput, RunnerOutput
 from hf_paged.engine.prompt_logprobs import PromptScores, score_prompt_rows
 from hf_paged.engine.runner_memory import RunnerMemory
+from hf_paged.engine.step_inputs import StepInputs
 from hf_paged.engine.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
@@ -109,7 +110,7 @@ class ModelRunner:
         self.sampler = None
         self.model = None
         self.profile = StepProfile(prefix="runner")  # HF_PAGED_PROFILE=1 turns it on
-        self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
+        self.inputs = StepInputs(self.device, self.block_size)  # host -> device step inputs
         # what this runner holds on its device; on CUDA its KV budget (a byte count elsewhere)
         name = f"engine {next(_engine_numbers)}: " + _model_name(spec)
         self.memory = RunnerMemory(memory_probe.probe_for(self.device), str(self.device), name)
@@ -198,14 +199,14 @@ class ModelRunner:
 
     def _warmup_inputs(self):
         """A temporary real KV cache and the largest prefill step's inputs, made by
-        ``prepare_prefill`` as for a served step, so the kernels compile for the same layout."""
+        ``StepInputs.prefill`` as for a served step, so the kernels compile for the same layout."""
         max_tokens = self.config.max_num_batched_tokens
         seq_len = min(self.max_model_len, max_tokens)
         num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
         blocks_per_seq = -(-seq_len // self.block_size)
         self._set_kv_cache(num_seqs * blocks_per_seq)  # freed by the caller
         inp = ModelInput.synthetic_prefill([seq_len] * num_seqs, blocks_per_seq)
-        return self.prepare_prefill(inp)
+        return self.inputs.prefill(inp, self.kv_cache)
 
     @torch.inference_mode()
     def _warmup_forward(self, input_ids, positions, meta, logits_idx) -> torch.Tensor | None:
@@ -270,104 +271,6 @@ class ModelRunner:
 
     # ---- per step -----------------------------------------------------------------------
 
-    def prepare_prefill(self, inp: ModelInput):
-        """Ragged batch of chunks (prompt chunks after any prefix-cached tokens, decodes, and
-        chunks verifying speculative tokens). Returns (input_ids [T], positions [T], metadata,
-        logits_indices [N_rows]: each sampling chunk's last ``num_logits`` positions)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu, ctx, logits_idx = [0], [], []
-        for c in inp.chunks:
-            n = len(c.token_ids)
-            input_ids.extend(c.token_ids)
-            pos = range(c.start_pos, c.start_pos + n)
-            positions.extend(pos)
-            table = c.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            cu.append(cu[-1] + n)
-            ctx.append(c.start_pos + n)
-            if c.sample:
-                logits_idx.extend(range(cu[-1] - c.num_logits, cu[-1]))
-        t = len(input_ids)
-        # one host buffer, one copy: [input_ids | positions | slots | logits_idx]
-        host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
-        dev = self._to_device(host, "inputs")
-        meta = self._metadata(inp, cu, ctx, dev[2 * t : 3 * t], is_decode=False)
-        return dev[:t], dev[t : 2 * t], meta, dev[3 * t :]
-
-    def prepare_decode(self, inp: ModelInput):
-        """One token per sequence (its last sampled one). Same returns as ``prepare_prefill``."""
-        bs = self.block_size
-        chunks = inp.chunks
-        n = len(chunks)
-        host = np.empty((3, n), dtype=np.int64)  # input_ids, positions, slots
-        host[0] = [c.token_ids[0] for c in chunks]
-        pos = [c.start_pos for c in chunks]
-        host[1] = pos
-        host[2] = [c.block_table[p // bs] for c, p in zip(chunks, pos)]
-        host[2] = host[2] * bs + host[1] % bs
-        dev = self._to_device(host, "inputs")
-        ctx = (host[1] + 1).tolist()
-        meta = self._metadata(inp, list(range(n + 1)), ctx, dev[2], is_decode=True)
-        logits_idx = torch.arange(n, dtype=torch.int64, device=self.device)
-        return dev[0], dev[1], meta, logits_idx
-
-    def _to_device(self, host: np.ndarray, slot: str) -> torch.Tensor:
-        """``host`` on the device. On CUDA it is staged through a pinned buffer reused per
-        ``slot``, so the copy is an asynchronous DMA; the buffer's last copy is waited for
-        before it is overwritten (a worker rank's host can run ahead of its stream)."""
-        t = torch.from_numpy(host)
-        if self.device.type != "cuda":
-            return t
-        buf, done = self._pinned.get(slot, (None, None))
-        if buf is None or buf.numel() < t.numel() * t.element_size():
-            buf = torch.empty(max(4096, 2 * t.numel() * t.element_size()), dtype=torch.uint8)
-            buf, done = buf.pin_memory(), torch.cuda.Event()
-        else:
-            done.synchronize()
-        staged = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        staged.copy_(t)
-        out = staged.to(self.device, non_blocking=True)
-        done.record()
-        self._pinned[slot] = (buf, done)
-        return out
-
-    def _metadata(self, inp, cu, ctx, slot_mapping, is_decode: bool) -> AttentionMetadata:
-        """Block tables, context lengths and cu_seqlens in one int32 host buffer and one copy.
-
-        The layout keeps what Triton specializes a kernel on constant from step to step, so the
-        variant compiled at warm-up serves every later step (a new one costs a compile of ~1 s,
-        mid-run): table rows are 16 entries apart (``stride(0) % 16 == 0``) and every segment
-        starts 16-byte aligned. [tables (n x row, row = mb rounded up to 16) | ctx (n, padded to
-        4) | cu (n + 1)]."""
-        chunks = inp.chunks
-        n = len(chunks)
-        mb = max(1, max(len(c.block_table) for c in chunks))
-        row = -(-mb // 16) * 16
-        ctx_at, cu_at = n * row, n * row + -(-n // 4) * 4
-        host = np.zeros(cu_at + n + 1, dtype=np.int32)
-        tables = host[:ctx_at].reshape(n, row)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
-        host[ctx_at : ctx_at + n] = ctx
-        host[cu_at:] = cu
-        dev = self._to_device(host, "meta")
-        return AttentionMetadata(
-            is_decode=is_decode,
-            num_seqs=n,
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=dev[cu_at:],
-            context_lens=dev[ctx_at : ctx_at + n],
-            block_tables=dev[:ctx_at].view(n, row)[:, :mb],
-            max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
-            max_context_len=max(ctx),
-            cu_seqlens_q_cpu=cu,
-            context_lens_cpu=ctx,
-            kv_cache=self.kv_cache,
-        )
-
     @torch.inference_mode()
     def run_model(self, input_ids, positions, meta, logits_indices) -> torch.Tensor | None:
         """Forward pass -> logits [N_sample, V] on rank 0 (None elsewhere). Decode batches
@@ -400,8 +303,7 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
-            prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
-            input_ids, positions, meta, logits_idx = prepare(inp)
+            input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
         scores = None
         with prof.section("forward_launch"):
             if any(c.prompt_rows is not None for c in inp.chunks):
@@ -450,13 +352,12 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)
-            prepare = self.prepare_decode if inp.is_decode else self.prepare_prefill
-            input_ids, positions, meta, logits_idx = prepare(inp)
+            input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
             if prev is not None and prev_rows is not None:
                 cu = meta.cu_seqlens_q_cpu
                 pairs = [(cu[i], r) for i, r in enumerate(prev_rows) if r >= 0]
                 if pairs:
-                    idx = self._to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
+                    idx = self.inputs.to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
                     input_ids[idx[0]] = prev.tokens[idx[1]]
         scores = None
         with prof.section("forward_launch"):
@@ -498,7 +399,7 @@ class ModelRunner:
         if backend is not None:
             backend.release()
         self.ctx = None
-        self._pinned.clear()
+        self.inputs.release()
         self.memory.release()
 
 

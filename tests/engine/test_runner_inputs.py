@@ -1,5 +1,5 @@
 """ModelRunner step inputs: the int32 metadata layout (what Triton specializes on stays constant
-from step to step) and the warm-up step, which goes through the served path (prepare_prefill,
+from step to step) and the warm-up step, which goes through the served path (StepInputs.prefill,
 the model, the LM head) and must give the model's real logits."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_metadata_layout_is_specialization_stable(runner, table_lens):
     for c in chunks:
         cu.append(cu[-1] + len(c.token_ids))
     ctx = [c.start_pos + len(c.token_ids) for c in chunks]
-    meta = runner._metadata(inp, cu, ctx, torch.empty(0), is_decode=False)
+    meta = runner.inputs._metadata(inp, cu, ctx, torch.empty(0), False, runner.kv_cache)
     n, mb = len(chunks), max(table_lens)
     assert tuple(meta.block_tables.shape) == (n, mb)
     assert meta.block_tables.stride(0) % 16 == 0 and meta.block_tables.stride(1) == 1
