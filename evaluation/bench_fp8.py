@@ -224,6 +224,13 @@ def main(argv=None) -> None:
     if args.sweep and device.type == "cuda":
         res["block_gemm_sweep"] = sweep_block_gemm(device)
     w2 = get_workload("W2", smoke=args.smoke)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"fp8_{'smoke_' if args.smoke else ''}{utc_stamp()}.json"
+
+    def save(part: str) -> None:  # after every part: a run stopped by a time limit keeps them
+        path.write_text(json.dumps(out, indent=1, default=str))
+        log(f"{part} done: wrote {path}")
+
     with tempfile.TemporaryDirectory(prefix="hf_paged_fp8_", dir=args.tmp_dir) as tmp:
         model, fp8_dir, ct_dir, fp8 = prepare(args, device, Path(tmp))
         ref = reference = None
@@ -239,6 +246,7 @@ def main(argv=None) -> None:
             res["w2"] = {"fp8": strip(ours), "bf16": strip(bf16), "stock_fp8": strip(stock),
                          "agreement_fp8_vs_stock_fp8": agreement(stock["outputs"],
                                                                  ours["outputs"][:k])}  # fmt: skip
+            save("w2")
         if "l1" in args.parts:
             n = 16 if args.smoke else 256
             plen = 32 if args.smoke else 512
@@ -247,13 +255,16 @@ def main(argv=None) -> None:
                 "bf16": decode_latency(model, plen, n, ekw, device, args.repeats),
             }
             log(f"l1: {res['l1']}")
+            save("l1")
         if "logits" in args.parts:
             prompts = w2.prompts[: args.logit_prompts]
             res["logits"] = logits_cosine(fp8, ref, reference, prompts, device, ekw)
+            save("logits")
         del ref
         free_memory(device)
         if "ct" in args.parts:
             res["ct_w2"] = strip(median_run(ct_dir, w2, ekw, device, args.repeats, "llm_ct"))
+            save("ct")
         if "kv" in args.parts:
             kv = {}
             w1 = get_workload("W1", smoke=args.smoke)
@@ -270,10 +281,8 @@ def main(argv=None) -> None:
                     f"kv {name}: {kv[name]['capacity_tokens']}, {kv[name]['agreement_fp8_vs_auto']}"
                 )
             res["kv"] = kv
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"fp8_{'smoke_' if args.smoke else ''}{utc_stamp()}.json"
-    path.write_text(json.dumps(out, indent=1, default=str))
-    log(f"wrote {path}")
+            save("kv")
+    save("all")
 
 
 if __name__ == "__main__":
