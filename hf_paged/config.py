@@ -100,7 +100,11 @@ class EngineConfig:
         num_kv_blocks: fixed number of KV blocks; None = size from memory.
         kv_cache_bytes: byte budget for the KV cache (all layers, K and V). Used on CPU (default
             512 MiB) and on GPU when given; None on GPU = size from ``gpu_memory_utilization``.
-        gpu_memory_utilization: fraction of GPU memory the engine may use in total.
+        gpu_memory_utilization: the engine's share of the GPU's memory, everything it holds
+            (weights, activations, KV cache, CUDA graphs); refused, naming who holds the
+            memory, when that share is not free. None (default): up to 0.9 of the GPU, but no
+            more than is free beside what is in use (a model already on the GPU, other
+            engines), so the drop-in path works beside the HF model it serves.
         tensor_parallel_size: number of ranks (processes) the model is split over.
         enforce_eager: never capture CUDA graphs.
         dtype: weights and activations; "auto" = the checkpoint's dtype (fp32 on CPU for fp16).
@@ -131,7 +135,7 @@ class EngineConfig:
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     dtype: str = "auto"
@@ -151,7 +155,9 @@ class EngineConfig:
         _check_int("kv_block_size", self.kv_block_size, 1)
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1, allow_none=True)
-        _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        if self.gpu_memory_utilization is not None:
+            _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
+                         lo_open=True)  # fmt: skip
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("seed", self.seed)
         if not isinstance(self.enforce_eager, bool):

@@ -4,7 +4,8 @@ An engine sized from ``gpu_memory_utilization`` asks for its share of the device
 the share is free beside what everyone else holds (vLLM's per-instance rule, so two engines at
 0.45 fit on one GPU and a third is refused). All figures are bytes:
 
-    share      = total * gpu_memory_utilization          everything this engine may hold
+    share      = total * gpu_memory_utilization          everything this engine may hold;
+                 unset: min(total * 0.9, total - others)  (what is free, up to 0.9)
     in use     = total - driver free - cached free        memory the caching allocator holds but
                                                           no tensor uses is free: any allocation
                                                           of this process can reuse it (a live
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 GiB = 1024**3
 MiB = 1024**2
+AUTO_UTILIZATION = 0.9  # the most an engine takes when gpu_memory_utilization is unset
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def gib(n: int) -> str:
 def plan_kv_cache(
     memory: DeviceMemory,
     *,
-    gpu_memory_utilization: float,
+    gpu_memory_utilization: float | None,
     engine_bytes: int,
     activation_peak: int,
     block_bytes: int,
@@ -153,7 +155,8 @@ def plan_kv_cache(
     Args:
         memory: the device read after the engine's weights are loaded and its profile run's
             temporaries freed.
-        gpu_memory_utilization: the engine's share of ``memory.total``, in (0, 1].
+        gpu_memory_utilization: the engine's share of ``memory.total``, in (0, 1]; None: what
+            is free beside the others, up to ``AUTO_UTILIZATION``.
         engine_bytes: what the engine allocated since before its start (weights, buffers).
         activation_peak: the profile run's peak allocation above what was allocated before it.
         block_bytes / block_size: bytes and tokens of one KV block id (all layers, K and V).
@@ -171,17 +174,22 @@ def plan_kv_cache(
             value would fit. It never reports a negative block count.
     """
     total = memory.total
-    share = int(total * gpu_memory_utilization)
     own = max(0, engine_bytes) + max(0, non_torch_bytes)
     others = max(0, memory.in_use - own)
     available = max(0, total - others)
+    if gpu_memory_utilization is None:
+        share = min(int(total * AUTO_UTILIZATION), available)
+        asked = f"gpu_memory_utilization unset (up to {AUTO_UTILIZATION}, what is free)"
+    else:
+        share = int(total * gpu_memory_utilization)
+        asked = f"gpu_memory_utilization={gpu_memory_utilization}"
     min_blocks = -(-max_model_len // block_size)
     need = own + max(0, activation_peak) + min_blocks * block_bytes
     fits = _Fit(gpu_memory_utilization, total, need, available, own, activation_peak,
                 min_blocks * block_bytes, max_model_len)  # fmt: skip
     if share > available:
         raise KVCacheMemoryError(
-            f"gpu_memory_utilization={gpu_memory_utilization} gives this engine {gib(share)} of "
+            f"{asked} gives this engine {gib(share)} of "
             f"{device}'s {gib(total)}, but only {gib(available)} is free beside what is in "
             f"use: {_in_use_text(memory, engine_bytes, non_torch_bytes, other_engines)}. "
             f"{fits.advice()}"
@@ -192,7 +200,7 @@ def plan_kv_cache(
         fit_len = num_blocks * block_size
         shorter = f", or max_model_len <= {fit_len}" if fit_len > 0 else ""
         raise KVCacheMemoryError(
-            f"gpu_memory_utilization={gpu_memory_utilization} gives this engine {gib(share)} of "
+            f"{asked} gives this engine {gib(share)} of "
             f"{device}'s {gib(total)}; its weights and buffers take {gib(own)} and the "
             f"activations of its largest step {gib(activation_peak)}, which leaves "
             f"{num_blocks} KV blocks of {block_size} tokens ({block_bytes / MiB:.2f} MiB each), "
@@ -206,7 +214,7 @@ def plan_kv_cache(
 class _Fit:
     """Which ``gpu_memory_utilization`` values would fit, for the error messages."""
 
-    asked: float
+    asked: float | None
     total: int
     need: int  # own + activations + one max_model_len sequence's blocks
     available: int
@@ -229,7 +237,8 @@ class _Fit:
                 f"{_floor(hi)} is free. Close another engine (LLM.close()) or lower its "
                 "gpu_memory_utilization, or lower max_model_len"
             )
-        value = _floor(hi) if self.asked > hi else _ceil(lo)
+        asked = AUTO_UTILIZATION if self.asked is None else self.asked
+        value = _floor(hi) if asked > hi else _ceil(lo)
         if not lo <= value <= hi:  # a range narrower than the rounding
             value = round(hi, 4)
         return f"gpu_memory_utilization={value} would fit ({needs}; at most {_floor(hi)} is free)"

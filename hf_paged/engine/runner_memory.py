@@ -60,7 +60,7 @@ class RunnerMemory:
         yield
         self.activation_peak = max(0, self.probe.peak_allocated() - before)
 
-    def plan_kv_cache(self, gpu_memory_utilization: float, block_bytes: int, block_size: int,
+    def plan_kv_cache(self, gpu_memory_utilization: float | None, block_bytes: int, block_size: int,
                       max_model_len: int) -> KVCachePlan:  # fmt: skip
         """The KV plan from the engine's share, read now (the profile run's memory freed).
 

@@ -141,3 +141,39 @@ def test_either_enough_blocks_or_a_named_refusal(total, used, cached, util, weig
         return
     assert plan.num_blocks >= 2561
     assert plan.kv_bytes + plan.own + plan.activation_peak <= plan.share <= plan.available
+
+
+def test_unset_utilization_takes_what_is_free_beside_a_resident_model():
+    """The drop-in path: an 8B HF model (16 GB) on the GPU, then its engine with
+    ``gpu_memory_utilization`` unset. A set 0.9 is refused (126 GB asked, ~123 free: the
+    H200 case of bench_fp8 / bench_beams); unset, the engine takes what is free, and with
+    nothing else on the device exactly 0.9 of it."""
+    sizing = dict(block_bytes=BLOCK, block_size=16, max_model_len=2048, device="cuda:0")
+    weights, act = 16 * GB, GB
+    resident = DeviceMemory(
+        total=TOTAL, free=TOTAL - 33 * GB, reserved=32 * GB, allocated=32 * GB
+    )  # fmt: skip  (HF model + the engine's copy)
+    with pytest.raises(KVCacheMemoryError, match=r"gpu_memory_utilization=0\.9 gives"):
+        plan_kv_cache(resident, gpu_memory_utilization=0.9, engine_bytes=weights,
+                      activation_peak=act, **sizing)  # fmt: skip
+    plan = plan_kv_cache(resident, gpu_memory_utilization=None, engine_bytes=weights,
+                         activation_peak=act, **sizing)  # fmt: skip
+    free_beside = TOTAL - (resident.in_use - weights)  # everything but the HF model and context
+    assert plan.share == free_beside < int(0.9 * TOTAL)
+    assert plan.num_blocks == (free_beside - weights - act) // BLOCK
+    alone = DeviceMemory(total=TOTAL, free=TOTAL - 17 * GB, reserved=16 * GB, allocated=16 * GB)
+    plan = plan_kv_cache(alone, gpu_memory_utilization=None, engine_bytes=weights,
+                         activation_peak=act, **sizing)  # fmt: skip
+    assert plan.share == int(0.9 * TOTAL)
+
+
+def test_unset_utilization_refused_names_the_setting():
+    """Nothing left for an unset engine: the error says it was unset and what is in use."""
+    full = DeviceMemory(total=TOTAL, free=2 * GB, reserved=TOTAL - 3 * GB,
+                        allocated=TOTAL - 3 * GB)  # fmt: skip
+    with pytest.raises(KVCacheMemoryError) as e:
+        plan_kv_cache(full, gpu_memory_utilization=None, engine_bytes=GB, activation_peak=GB,
+                      **SIZING)  # fmt: skip
+    msg = str(e.value)
+    assert "gpu_memory_utilization unset" in msg and "-" not in msg.split("leaves")[-1][:4]
+    assert "No gpu_memory_utilization fits" in msg or "would fit" in msg
