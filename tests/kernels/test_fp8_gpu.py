@@ -161,7 +161,7 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
         got = torch.tensor(list(top.values()), device="cuda")
         ref_top = want[ids]
         cos = torch.nn.functional.cosine_similarity(got - got.mean(), ref_top - ref_top.mean(), 0)
-        cosines.append(round(cos.item(), 5))
         # the greedy token is the reference's, or ties with it in bf16 (within 0.02 nats)
-        assert want[o.token_ids[0]] >= want.max() - 0.02, (p, o.token_ids[0], int(want.argmax()))
-    assert min(cosines) > 0.999, cosines
+        gap = (want.max() - want[o.token_ids[0]]).item()
+        cosines.append((len(p), round(cos.item(), 5), round(gap, 4)))
+    assert all(c > 0.999 and gap <= 0.02 for _, c, gap in cosines), cosines
