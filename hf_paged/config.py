@@ -102,9 +102,9 @@ class EngineConfig:
             512 MiB) and on GPU when given; None on GPU = size from ``gpu_memory_utilization``.
         gpu_memory_utilization: the engine's share of the GPU's memory, everything it holds
             (weights, activations, KV cache, CUDA graphs); refused, naming who holds the
-            memory, when that share is not free. None (default): up to 0.9 of the GPU, but no
-            more than is free beside what is in use (a model already on the GPU, other
-            engines), so the drop-in path works beside the HF model it serves.
+            memory, when that share is not free. None (default): 0.9 of the GPU less what is in
+            use beside it (a model already on the GPU, other engines), so the drop-in path
+            works beside the HF model it serves and 0.1 of the GPU stays free.
         tensor_parallel_size: number of ranks (processes) the model is split over.
         enforce_eager: never capture CUDA graphs.
         dtype: weights and activations; "auto" = the checkpoint's dtype (fp32 on CPU for fp16).

@@ -5,7 +5,8 @@ the share is free beside what everyone else holds (vLLM's per-instance rule, so 
 0.45 fit on one GPU and a third is refused). All figures are bytes:
 
     share      = total * gpu_memory_utilization          everything this engine may hold;
-                 unset: min(total * 0.9, total - others)  (what is free, up to 0.9)
+                 unset: total * 0.9 - others  (0.1 of the device stays free for everyone's
+                 transient allocations: a resident HF model's forward, a beam driver's logits)
     in use     = total - driver free - cached free        memory the caching allocator holds but
                                                           no tensor uses is free: any allocation
                                                           of this process can reuse it (a live
@@ -155,8 +156,8 @@ def plan_kv_cache(
     Args:
         memory: the device read after the engine's weights are loaded and its profile run's
             temporaries freed.
-        gpu_memory_utilization: the engine's share of ``memory.total``, in (0, 1]; None: what
-            is free beside the others, up to ``AUTO_UTILIZATION``.
+        gpu_memory_utilization: the engine's share of ``memory.total``, in (0, 1]; None:
+            ``AUTO_UTILIZATION`` of it less what the others hold.
         engine_bytes: what the engine allocated since before its start (weights, buffers).
         activation_peak: the profile run's peak allocation above what was allocated before it.
         block_bytes / block_size: bytes and tokens of one KV block id (all layers, K and V).
@@ -178,8 +179,10 @@ def plan_kv_cache(
     others = max(0, memory.in_use - own)
     available = max(0, total - others)
     if gpu_memory_utilization is None:
-        share = min(int(total * AUTO_UTILIZATION), available)
-        asked = f"gpu_memory_utilization unset (up to {AUTO_UTILIZATION}, what is free)"
+        share = max(0, int(total * AUTO_UTILIZATION) - others)  # 0.1 of the device stays free
+        asked = (
+            f"gpu_memory_utilization unset ({AUTO_UTILIZATION} of the device less what is in use)"
+        )
     else:
         share = int(total * gpu_memory_utilization)
         asked = f"gpu_memory_utilization={gpu_memory_utilization}"

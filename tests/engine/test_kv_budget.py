@@ -146,8 +146,9 @@ def test_either_enough_blocks_or_a_named_refusal(total, used, cached, util, weig
 def test_unset_utilization_takes_what_is_free_beside_a_resident_model():
     """The drop-in path: an 8B HF model (16 GB) on the GPU, then its engine with
     ``gpu_memory_utilization`` unset. A set 0.9 is refused (126 GB asked, ~123 free: the
-    H200 case of bench_fp8 / bench_beams); unset, the engine takes what is free, and with
-    nothing else on the device exactly 0.9 of it."""
+    H200 case of bench_fp8 / bench_beams); unset, the engine takes 0.9 of the device less
+    what the others hold (taking all that is free left the HF side's forward no room on the
+    H200), and with only a CUDA context beside it 0.9 of it less the context."""
     sizing = dict(block_bytes=BLOCK, block_size=16, max_model_len=2048, device="cuda:0")
     weights, act = 16 * GB, GB
     resident = DeviceMemory(
@@ -158,13 +159,13 @@ def test_unset_utilization_takes_what_is_free_beside_a_resident_model():
                       activation_peak=act, **sizing)  # fmt: skip
     plan = plan_kv_cache(resident, gpu_memory_utilization=None, engine_bytes=weights,
                          activation_peak=act, **sizing)  # fmt: skip
-    free_beside = TOTAL - (resident.in_use - weights)  # everything but the HF model and context
-    assert plan.share == free_beside < int(0.9 * TOTAL)
-    assert plan.num_blocks == (free_beside - weights - act) // BLOCK
+    others = resident.in_use - weights  # the HF model and the CUDA context
+    assert plan.share == int(0.9 * TOTAL) - others  # 0.1 of the device stays free
+    assert plan.num_blocks == (plan.share - weights - act) // BLOCK
     alone = DeviceMemory(total=TOTAL, free=TOTAL - 17 * GB, reserved=16 * GB, allocated=16 * GB)
     plan = plan_kv_cache(alone, gpu_memory_utilization=None, engine_bytes=weights,
                          activation_peak=act, **sizing)  # fmt: skip
-    assert plan.share == int(0.9 * TOTAL)
+    assert plan.share == int(0.9 * TOTAL) - GB  # less the CUDA context alone
 
 
 def test_unset_utilization_refused_names_the_setting():
