@@ -122,9 +122,11 @@ def _fake_quant_activations(model, group: int):
         return (back.to(x.dtype).reshape(x.shape),)
 
     head = model.get_output_embeddings()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m is not head:
-            m.register_forward_pre_hook(hook)
+    linears = [m for m in model.modules()
+               if type(m).__name__.endswith("Linear") and m is not head]  # fmt: skip
+    for m in linears:  # nn.Linear, or transformers' FP8 linear class if it keeps one
+        m.register_forward_pre_hook(hook)
+    return len(linears)
 
 
 def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
@@ -146,7 +148,7 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path):
         tmp_path / "q", quantization_config=FineGrainedFP8Config(dequantize=True),
         dtype=torch.bfloat16, device_map="cuda",
     )  # fmt: skip
-    _fake_quant_activations(ref, 128)
+    assert _fake_quant_activations(ref, 128) == 7 * ref.config.num_hidden_layers  # q k v o g u d
     prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
     with LLM(str(tmp_path / "q"), max_model_len=128, dtype="bfloat16") as llm:
