@@ -243,8 +243,9 @@ def _run(model, engine, call: PreparedCall):
             for p in call.prompts[::k]
         ]
         live, num_slots = list(range(num_rows)), 1  # rows in the engine; beams per request
+        prompt_tokens = sum(len(p) for p in call.prompts)
         for _ in range(gen.max_length - prompt_len):
-            budget = sum(len(p) for p in call.prompts) + 2 * k * num_rows * state.cur_len + 16
+            budget = prompt_tokens + 2 * k * num_rows * state.cur_len + 16  # engine steps
             logits = _gather_logits(batch, rids, live, num_slots, k, budget).to(dev)  # [B*K, V]
             log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
             log_probs = call.processors(state.flat_running(), log_probs)

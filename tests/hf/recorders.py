@@ -35,26 +35,6 @@ class RecordingCriteria(StoppingCriteria):
         return input_ids[:, -1] % self.modulus == 0
 
 
-class MultiTokenEOSCriteria(StoppingCriteria):
-    """lm-evaluation-harness's stop-sequence criterion (batch-level bool, decodes a lookback)."""
-
-    def __init__(self, sequence: str, tokenizer, initial_decoder_input_length: int, batch: int):
-        self.initial_decoder_input_length = initial_decoder_input_length
-        self.done_tracker = [False] * batch
-        self.sequence = sequence
-        self.sequence_ids = tokenizer.encode(sequence, add_special_tokens=False)
-        self.sequence_id_len = len(self.sequence_ids) + 2
-        self.tokenizer = tokenizer
-
-    def __call__(self, input_ids, scores, **kwargs) -> bool:
-        lookback = input_ids[:, self.initial_decoder_input_length :][:, -self.sequence_id_len :]
-        texts = self.tokenizer.batch_decode(lookback)
-        for i, done in enumerate(self.done_tracker):
-            if not done:
-                self.done_tracker[i] = self.sequence in texts[i]
-        return False not in self.done_tracker
-
-
 class RecordingStreamer(BaseStreamer):
     def __init__(self):
         self.puts: list[torch.Tensor] = []

@@ -23,7 +23,6 @@ from hf_paged.testing import (
     tiny_tokenizer,
 )
 from tests.hf.recorders import (
-    MultiTokenEOSCriteria,
     RecordingCriteria,
     RecordingProcessor,
     RecordingStreamer,
@@ -315,7 +314,9 @@ def test_stop_strings(model, batch):
 
 def test_eval_harness_style_call(model):
     """lm-eval's HFLM._model_generate: left-padded input_ids only (mask inferred from the pad
-    id), max_length, one MultiTokenEOSCriteria per stop sequence, pad_token_id."""
+    id), max_length, one of lm-eval's own MultiTokenEOSCriteria per stop sequence, pad_token_id."""
+    utils_hf = pytest.importorskip("lm_eval.models.utils_hf", reason="lm_eval is not installed")
+    MultiTokenEOSCriteria = utils_hf.MultiTokenEOSCriteria
     tok = tiny_tokenizer()
     ids, _ = left_pad(make_prompts([3, 8, 5], seed=9), pad=tok.pad_token_id)
     ref = reference(model, ids, None, max_new_tokens=12)
