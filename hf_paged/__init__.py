@@ -80,5 +80,9 @@ def uninstall() -> None:
 _envs.warn_unknown()  # a mistyped HF_PAGED_* variable is said now, not at the first engine
 _hooks.install_on_import()
 _timings.install()  # inert unless HF_PAGED_TIMINGS names a file
+if _timings.enabled():  # the client's own phases too, on stock and paged runs alike
+    from hf_paged.integration import client_timings as _client_timings
+
+    _client_timings.install()
 
 __all__ = [*_EXPORTS, "install", "uninstall", "__version__"]

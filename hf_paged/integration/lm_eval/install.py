@@ -28,6 +28,7 @@ import importlib.util
 import sys
 import threading
 
+from hf_paged import timings
 from hf_paged.integration import hooks
 from hf_paged.integration.fallback import PagedFallback, warn_fallback
 from hf_paged.integration.lm_eval import generate_until as _until
@@ -90,13 +91,15 @@ def _patch(hflm_cls) -> None:
 
 
 def _serve(method: str, paged, original, self, requests, **kwargs):
-    if not is_active(self) or not requests:
-        return original(self, requests, **kwargs)
-    try:
-        return paged(self, requests, kwargs.get("disable_tqdm", False))
-    except PagedFallback as fb:
-        warn_fallback(fb, f"lm-eval HFLM.{method}")
-        return original(self, requests, **kwargs)
+    # the request phase of the client's time breakdown, stock and paged alike
+    with timings.span("client.requests"):
+        if not is_active(self) or not requests:
+            return original(self, requests, **kwargs)
+        try:
+            return paged(self, requests, kwargs.get("disable_tqdm", False))
+        except PagedFallback as fb:
+            warn_fallback(fb, f"lm-eval HFLM.{method}")
+            return original(self, requests, **kwargs)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
