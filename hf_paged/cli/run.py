@@ -142,14 +142,15 @@ def cmd_run(argv: list[str]) -> int:
     envs.reset("HF_PAGED_BACKEND")  # this process reads them again too (they are read once)
     envs.reset("HF_PAGED_TIMINGS")
     _show_engine_starts()
-    import hf_paged
     from hf_paged import timings
     from hf_paged.integration import client_timings
     from hf_paged.integration.lm_eval import install_lm_eval
 
-    timings.install()  # when --timings came after `import hf_paged` (an earlier import)
+    # `import hf_paged` installed the generate and pipeline dispatchers for when transformers
+    # loads them (nothing is imported before the program needs it); timings read again here,
+    # as --timings may have set them after that import
+    timings.install()
     client_timings.install()
-    hf_paged.install()
     install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is there)
     counter = ServedCounter()
     if report:
