@@ -12,10 +12,11 @@ seed, the prefix cache dropped before each one, best of ``--repeats``:
 * ``reference_k0``: ``HF_PAGED_TOKEN_SCORES=0``: fp32 ``log_softmax`` of each slice (the path
   before the kernel).
 
-For each ``--max-num-batched-tokens`` value (one engine each). Checks in the same run: the kernel's
-and the reference's logprobs and ranks of the same forward agree (fp32 rounding), and the first
-``--check-prompts`` prompts' logprobs are close to the stock HF model's forward + fp32
-``log_softmax`` (bf16 tolerance; fp32 and tight on ``--smoke``). ``--profile``: a torch.profiler
+For each ``--max-num-batched-tokens`` value (one engine each). Checks in the same run, on the
+first ``--check-prompts`` prompts: the kernel against its fp32 reference on the stock model's own
+logits (fp32 rounding; ranks equal), and the engine's logprobs against the stock HF model's
+forward + fp32 ``log_softmax`` (bf16: max 1.0, mean 0.2; fp32 on ``--smoke``: 1e-4). Exit status 1 when a check
+fails (after the JSON is written). ``--profile``: a torch.profiler
 table (CUDA kernels by time) of one ``kernel_k0`` run.
 
 GPU:   PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_prompt_logprobs.py
@@ -127,29 +128,50 @@ def bench_engine(model, prompts, warm, chunk: int, args, device) -> tuple[dict, 
     return res, kept
 
 
-def check_kernel_vs_reference(kept: dict) -> dict:
-    """The same forward scored both ways: logprobs within fp32 rounding, ranks equal (the kernel
-    compares logits, the reference logprobs: they may differ where fp32 merges two logits)."""
+def compare_runs(kept: dict) -> dict:
+    """The engine's kernel and reference runs of the same prompts, row by row (informational:
+    equal up to fp32 rounding when the forward is deterministic across runs), and k = 1's top
+    id against its rank (rank 1 <=> the top id is the target)."""
     lp_k, rank_k = scores(kept["kernel_k0"])
     lp_r, rank_r = scores(kept["reference_k0"])
     lp_k1, rank_k1 = scores(kept["kernel_k1"])
-    top1 = [next(iter(e.top)) for o in kept["kernel_k1"] for e in o.prompt_logprobs[1:]]
-    targets = [e.token_id for o in kept["kernel_k1"] for e in o.prompt_logprobs[1:]]
-    diff = (lp_k - lp_r).abs()
-    out = {
+    k1 = [e for o in kept["kernel_k1"] for e in o.prompt_logprobs[1:]]
+    return {
         "rows": len(lp_k),
-        "max_abs_logprob_diff": diff.max().item(),
-        "rank_equal_fraction": (rank_k == rank_r).float().mean().item(),
-        "is_greedy_equal": bool(torch.equal(rank_k == 1, rank_r == 1)),
-        "k0_equals_k1": bool(torch.equal(lp_k, lp_k1) and torch.equal(rank_k, rank_k1)),
-        # rank 1 <=> the top-1 id is the target itself
-        "top1_consistent": all(
-            (r == 1) == (t == i) for r, t, i in zip(rank_k1.tolist(), targets, top1)
-        ),
+        "kernel_vs_reference_max_abs_logprob_diff": (lp_k - lp_r).abs().max().item(),
+        "kernel_vs_reference_rank_equal_fraction": (rank_k == rank_r).float().mean().item(),
+        "k0_vs_k1_max_abs_logprob_diff": (lp_k - lp_k1).abs().max().item(),
+        "k1_top1_consistent": all((e.rank == 1) == (next(iter(e.top)) == e.token_id) for e in k1),
+    }
+
+
+def check_kernel(model, prompts) -> dict:
+    """The kernel against its fp32 reference on the same real logits: the stock model's, in
+    the model dtype, scoring the prompts' tokens (k = 2)."""
+    from hf_paged.kernels import token_scores as ts
+
+    diffs, rank_eq, greedy_eq, n = [], 0, 0, 0
+    for p in prompts:
+        ids = torch.tensor([p], device=model.device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]  # [P - 1, V] model dtype
+        tgt = torch.tensor(p[1:], device=model.device)
+        got = torch.empty(len(tgt), 6, device=model.device)
+        ts.token_scores_kernel(logits, tgt, 2, got)
+        lp, rank, top_v, _ = ts.token_scores_reference(logits, tgt, 2)
+        diffs.append(torch.cat([(got[:, 0] - lp).abs(), (got[:, 2:4] - top_v).abs().flatten()]))
+        rank_eq += (got[:, 1].long() == rank).sum().item()
+        greedy_eq += ((got[:, 1] == 1) == (rank == 1)).sum().item()
+        n += len(tgt)
+    out = {
+        "rows": n,
+        "max_abs_logprob_diff": torch.cat(diffs).max().item(),
+        "rank_equal_fraction": rank_eq / n,
+        "is_greedy_equal_fraction": greedy_eq / n,
     }
     out["ok"] = (
         out["max_abs_logprob_diff"] < 1e-4 and out["rank_equal_fraction"] > 0.999
-        and out["is_greedy_equal"] and out["k0_equals_k1"] and out["top1_consistent"]
+        and out["is_greedy_equal_fraction"] == 1.0
     )  # fmt: skip
     return out
 
@@ -181,7 +203,6 @@ def check_vs_stock(model, prompts, outs, tol: float) -> dict:
         "is_greedy_agree": greedy_agree / n,
         "tolerance": tol,
     }
-    # a target off by one position would differ by ~|logit_a - logit_b| on most rows
     out["ok"] = out["max_abs_logprob_diff"] < tol and out["mean_abs_logprob_diff"] < tol / 5
     return out
 
@@ -205,7 +226,10 @@ def main() -> None:
         args.prompts, args.min_len, args.max_len = min(args.prompts, 8), 100, 200
         args.max_num_batched_tokens, args.repeats = "512", 1
     else:
-        arch, dtype, tol = "qwen3-0.6b", torch.bfloat16, 0.25
+        # bf16: the two forwards differ by ~0.05 per logprob on this random model (lm-eval
+        # loglikelihood sums of ~17 tokens differed by 0.31 on average, RUNS.md); a target one
+        # position off would differ by ~0.7 on average (logits ~ N(0, 0.64))
+        arch, dtype, tol = "qwen3-0.6b", torch.bfloat16, 1.0
     model = build_random_model(arch, device=device, dtype=dtype)
     vocab = model.config.vocab_size
     lens = (args.min_len, args.max_len)
@@ -221,9 +245,14 @@ def main() -> None:
         result["engines"][str(chunk)] = res
         kept = kept or outs
         free_memory(device)
-    result["kernel_vs_reference"] = check_kernel_vs_reference(kept)
-    log(f"kernel vs reference: {result['kernel_vs_reference']}")
+    result["runs_compared"] = compare_runs(kept)
+    log(f"runs compared: {result['runs_compared']}")
     n_check = min(args.check_prompts, len(prompts))
+    if device == "cuda":
+        result["kernel_vs_reference"] = check_kernel(model, prompts[:n_check])
+    else:
+        result["kernel_vs_reference"] = {"ok": True, "skipped": "no CUDA: the reference ran"}
+    log(f"kernel vs reference on stock logits: {result['kernel_vs_reference']}")
     result["vs_stock"] = check_vs_stock(model, prompts[:n_check], kept["kernel_k0"][:n_check], tol)
     log(f"vs stock HF: {result['vs_stock']}")
     best = max(r["runs"]["kernel_k0"]["prompt_tokens_per_s"] for r in result["engines"].values())
