@@ -15,9 +15,9 @@ seed, the prefix cache dropped before each one, best of ``--repeats``:
 For each ``--max-num-batched-tokens`` value (one engine each). Checks in the same run, on the
 first ``--check-prompts`` prompts: the kernel against its fp32 reference on the stock model's own
 logits (fp32 rounding; ranks equal), and the engine's logprobs against the stock HF model's
-forward + fp32 ``log_softmax`` (bf16: max 1.0, mean 0.2; fp32 on ``--smoke``: 1e-4). Exit status 1 when a check
-fails (after the JSON is written). ``--profile``: a torch.profiler
-table (CUDA kernels by time) of one ``kernel_k0`` run.
+forward + fp32 ``log_softmax`` (bf16: max 1.0, mean 0.2; fp32 on ``--smoke``: 1e-4). Exit
+status 1 when a check fails (after the JSON is written). ``--profile``: a torch.profiler table
+(CUDA kernels by time) of one ``kernel_k0`` run.
 
 GPU:   PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_prompt_logprobs.py
 Smoke: PYTHONPATH=. .venv/bin/python evaluation/bench_prompt_logprobs.py --smoke
