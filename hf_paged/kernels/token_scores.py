@@ -167,7 +167,7 @@ def _launch(logits, targets, out, want_lse: bool) -> torch.Tensor | None:  # inp
     lse = torch.empty(r if want_lse else 1, dtype=torch.float32, device=logits.device)
     _token_scores_kernel[(r,)](
         logits, targets, out, lse, logits.stride(0), out.stride(0), v,
-        BLOCK=min(BLOCK, triton.next_power_of_2(v)), STORE_LSE=want_lse, num_warps=8,
+        BLOCK=max(16, min(BLOCK, triton.next_power_of_2(v))), STORE_LSE=want_lse, num_warps=8,
         **pdl_kwargs(logits),
     )  # fmt: skip
     return lse if want_lse else None
