@@ -141,10 +141,14 @@ if triton is not None:
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)  # running max (scalar)
         s_lanes = tl.zeros([BLOCK], tl.float32)  # per column lane: sum of exp(x - m)
         ahead = tl.zeros([BLOCK], tl.int32)  # per column lane: ids ahead of the target
+        # the next block's load is issued before this block's math: two loads in flight per
+        # program keep HBM busy without relying on the compiler to pipeline the loop
+        x_next = tl.load(x_row + cols, mask=cols < V, other=float("-inf"))
         for start in range(0, V, BLOCK):
             c = start + cols
-            mask = c < V
-            x = tl.load(x_row + c, mask=mask, other=float("-inf")).to(tl.float32)
+            x = x_next.to(tl.float32)
+            n = c + BLOCK
+            x_next = tl.load(x_row + n, mask=n < V, other=float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=0))
             # a block (and everything before it) of -inf keeps m = -inf: no exp(-inf - -inf)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
