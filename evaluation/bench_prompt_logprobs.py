@@ -16,8 +16,9 @@ For each ``--max-num-batched-tokens`` value (one engine each). Checks in the sam
 first ``--check-prompts`` prompts: the kernel against its fp32 reference on the stock model's own
 logits (fp32 rounding; ranks equal), and the engine's logprobs against the stock HF model's
 forward + fp32 ``log_softmax`` (bf16: max 1.0, mean 0.2; fp32 on ``--smoke``: 1e-4). Exit
-status 1 when a check fails (after the JSON is written). ``--profile``: a torch.profiler table
-(CUDA kernels by time) of one ``kernel_k0`` run.
+status 1 when a check fails (after the JSON is written). One slice of 1,024 rows is also timed
+alone (LM-head GEMM, kernel, reference: ``slice_microbench``). ``--profile``: a torch.profiler
+table (CUDA kernels by time) of one ``kernel_k0`` run.
 
 GPU:   PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_prompt_logprobs.py
 Smoke: PYTHONPATH=. .venv/bin/python evaluation/bench_prompt_logprobs.py --smoke
@@ -130,6 +131,38 @@ def bench_engine(model, prompts, warm, chunk: int, args, device) -> tuple[dict, 
         if stats.get("profile"):  # HF_PAGED_PROFILE=1: host time per step section
             res["step_profile"] = stats["profile"]
     return res, kept
+
+
+def slice_microbench(model, rows: int = 1024, iters: int = 20) -> dict:
+    """One slice of the scoring path, timed alone with CUDA events (ms per slice of ``rows``):
+    the LM-head GEMM, the kernel, and the fp32 reference, and the kernel's read bandwidth."""
+    from hf_paged.kernels import token_scores as ts
+
+    weight = model.get_output_embeddings().weight  # [V, H]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(rows, weight.shape[1], device="cuda", dtype=weight.dtype, generator=g)
+    targets = torch.randint(0, weight.shape[0], (rows,), device="cuda", generator=g)
+    out = torch.empty(rows, 2, device="cuda")
+    logits = torch.nn.functional.linear(hidden, weight)  # [rows, V]
+
+    def ms(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
+    res = {
+        "rows": rows,
+        "gemm_ms": ms(lambda: torch.nn.functional.linear(hidden, weight)),
+        "kernel_ms": ms(lambda: ts.token_scores_kernel(logits, targets, 0, out)),
+        "reference_ms": ms(lambda: ts.token_scores_reference(logits, targets, 0)),
+    }
+    res["kernel_read_GBps"] = logits.numel() * logits.element_size() / res["kernel_ms"] / 1e6
+    return res
 
 
 def compare_runs(kept: dict) -> dict:
@@ -259,6 +292,9 @@ def main() -> None:
     else:
         result["kernel_vs_reference"] = {"ok": True, "skipped": "no CUDA: the reference ran"}
     log(f"kernel vs reference on stock logits: {result['kernel_vs_reference']}")
+    if device == "cuda":
+        result["slice_microbench"] = slice_microbench(model)
+        log(f"one slice alone: {result['slice_microbench']}")
     scored = kept.get("kernel_k0") or next(iter(kept.values()), None)
     result["vs_stock"] = (
         check_vs_stock(model, prompts[:n_check], scored[:n_check], tol)
