@@ -48,3 +48,21 @@ def test_matches_reference_at_qwen3_vocab(dtype, k, pad):
     assert torch.allclose(out[:, 2 : 2 + k], top_v, atol=2e-5, rtol=1e-6)
     if dtype == torch.float32:  # bf16 rows hold exact ties, which topk may order either way
         assert torch.equal(out[:, 2 + k :].long(), top_i)
+
+
+def test_same_bits_with_and_without_pdl(monkeypatch):
+    """Launched right after the LM-head GEMM that writes its logits, with PDL (where the device
+    has it) and without: the same bits."""
+    from hf_paged import envs
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = 0.02 * torch.randn(V, 1024, device="cuda", generator=g).bfloat16()
+    h = torch.randn(512, 1024, device="cuda", generator=g).bfloat16()
+    t = torch.randint(0, V, (512,), device="cuda", generator=g)
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(envs, "HF_PAGED_PDL", pdl)
+        out = torch.empty(512, 4, device="cuda")
+        ts.token_scores(torch.nn.functional.linear(h, w), t, 1, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
