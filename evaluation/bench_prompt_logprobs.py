@@ -249,7 +249,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--min-len", type=int, default=1800)
     p.add_argument("--max-len", type=int, default=2200)
-    p.add_argument("--max-num-batched-tokens", default="8192,16384",
+    p.add_argument("--max-num-batched-tokens", default="8192,16384,32768",
                    help="comma-separated: one engine each")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {list(RUNS)}")
