@@ -3,10 +3,11 @@
 Row ``p`` of a prompt's forward pass (the hidden state at position ``p``) scores prompt token
 ``p + 1``. The engine side (``PromptLogprobState``) tells each prefill chunk which of its rows to
 score and collects the results by position; the runner side (``score_prompt_rows``) turns those
-rows' hidden states into logits a slice at a time, takes ``log_softmax`` in fp32 and keeps only
-the target token's logprob, its rank and the top k: a ``[T, V]`` tensor for a whole prompt is
-never built. The step's results stay on the device in one packed tensor (``PromptScores``) until
-``entries`` copies them to the host at once; overlapped stepping starts that copy at launch and
+rows' hidden states into logits a slice at a time and keeps only the target token's logprob, its
+rank and the top k (``kernels/token_scores.py``: one pass over each row in the model's dtype on
+CUDA, ``log_softmax`` in fp32 elsewhere): a ``[T, V]`` tensor for a whole prompt is never built.
+The step's results stay on the device in one packed tensor (``PromptScores``) until ``entries``
+copies them to the host at once; overlapped stepping starts that copy at launch and
 reads it when the step's tokens are resolved, so a chunk's rows count as taken when planned
 (``rows_for``), before their scores arrive (``record``).
 
@@ -24,9 +25,7 @@ from collections.abc import Callable
 import torch
 
 from hf_paged.engine.outputs import PromptLogprob, PromptRows, ScheduledChunk
-
-# rows turned into logits at once: bounds the [rows, V] fp32 temporaries (~300 MB at V = 152k)
-MAX_ROWS_PER_SLICE = 512
+from hf_paged.kernels import token_scores
 
 
 class PromptLogprobState:
@@ -76,7 +75,7 @@ class PromptLogprobState:
         """Store the scores of ``chunk.prompt_rows`` (one per row, in order)."""
         first = chunk.start_pos + chunk.prompt_rows.first
         n = len(chunk.prompt_rows.target_ids)
-        if len(scores) != n or any(e is not None for e in self.entries[first + 1 : first + 1 + n]):
+        if len(scores) != n or self.entries[first + 1 : first + 1 + n].count(None) != n:
             raise RuntimeError(
                 f"prompt logprobs: got {len(scores)} rows from row {first}, expected {n} rows "
                 "not scored before"
@@ -84,7 +83,7 @@ class PromptLogprobState:
         self.entries[first + 1 : first + 1 + n] = scores
 
 
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+def _on_device(values: list[list[int]], device: torch.device) -> torch.Tensor:
     """An int64 tensor on ``device`` without waiting for the stream: a blocking copy would
     wait for the step still running on the GPU and undo overlapped stepping."""
     t = torch.tensor(values, dtype=torch.int64)
@@ -107,16 +106,11 @@ def _row_plan(chunks: list[ScheduledChunk], cu_seqlens: list[int]):
     return rows, targets, owners
 
 
-@torch.inference_mode()
-def _score_slice(logits: torch.Tensor, targets: torch.Tensor, k: int):
-    """[r, V] logits, [r] targets -> logprob [r], rank [r], top-k values/ids [r, k] (fp32)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [r, V]
-    tgt = lp.gather(1, targets[:, None])  # [r, 1]
-    ids = torch.arange(lp.shape[1], device=lp.device)
-    before = (lp > tgt) | ((lp == tgt) & (ids[None, :] < targets[:, None]))
-    rank = 1 + before.sum(dim=1)  # [r]
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-    return tgt[:, 0], rank, top_v, top_i
+def rows_per_slice(device: torch.device) -> int:
+    """Scored rows turned into logits at once. The kernel keeps only the ``[rows, V]`` logits
+    of the slice (bf16: ~0.3 GB at 1,024 rows and V = 152k); the reference also makes fp32
+    temporaries of that shape, so it takes half as many."""
+    return 1024 if token_scores.enabled(device) else 512
 
 
 class PromptScores:
@@ -139,24 +133,30 @@ class PromptScores:
         return self
 
     def entries(self) -> dict[int, list[PromptLogprob]]:
-        """seq_id -> one PromptLogprob per scored row of its chunk."""
+        """seq_id -> one PromptLogprob per scored row of its chunk (columns converted at once,
+        one object per row)."""
         if self.event is not None:
             self.event.synchronize()
-        rows = self.host.tolist()  # [R][2 + 2k]
-        k = (self.host.shape[1] - 2) // 2
+        host = self.host  # [R, 2 + 2k]
+        k = (host.shape[1] - 2) // 2
+        logprobs = host[:, 0].tolist()
+        ranks = host[:, 1].long().tolist()
+        top_v = host[:, 2 : 2 + k].tolist() if k else None  # [R][k]
+        top_i = host[:, 2 + k :].long().tolist() if k else None
         out: dict[int, list[PromptLogprob]] = {}
         r = 0
         for seq_id, n, seq_k in self.owners:
-            out[seq_id] = [_entry(self.targets[j], rows[j], k, seq_k) for j in range(r, r + n)]
+            rows = zip(self.targets[r : r + n], logprobs[r : r + n], ranks[r : r + n])
+            if seq_k == 0:
+                out[seq_id] = [PromptLogprob(t, lp, rank, {}) for t, lp, rank in rows]
+            else:  # the request's own seq_k alternatives of the step's k
+                tops = zip(top_i[r : r + n], top_v[r : r + n])
+                out[seq_id] = [
+                    PromptLogprob(t, lp, rank, dict(zip(ids[:seq_k], vals[:seq_k])))
+                    for (t, lp, rank), (ids, vals) in zip(rows, tops)
+                ]
             r += n
         return out
-
-
-def _entry(target: int, row: list[float], k: int, seq_k: int) -> PromptLogprob:
-    """One packed row (logprob, rank, k top logprobs, k top ids) -> PromptLogprob with the
-    request's own ``seq_k`` alternatives."""
-    top = {int(i): v for i, v in zip(row[2 + k : 2 + k + seq_k], row[2 : 2 + seq_k])}
-    return PromptLogprob(target, row[0], int(row[1]), top)
 
 
 def score_prompt_rows(
@@ -181,15 +181,14 @@ def score_prompt_rows(
     if not rows:
         return None
     k = max(o[2] for o in owners)
-    idx = _on_device(rows, hidden.device)  # [R]
-    tgt = _on_device(targets, hidden.device)  # [R]
-    parts = []
-    for a in range(0, len(rows), MAX_ROWS_PER_SLICE):
-        logits = compute_logits(hidden[idx[a : a + MAX_ROWS_PER_SLICE]])  # [r, V] or None
-        if logits is not None:
-            lp, rank, top_v, top_i = _score_slice(logits, tgt[a : a + MAX_ROWS_PER_SLICE], k)
-            parts.append(torch.cat([lp[:, None], rank[:, None].float(), top_v,
-                                    top_i.float()], dim=1))  # fmt: skip
-    if not parts:
-        return None
-    return PromptScores(torch.cat(parts), targets, owners)
+    plan = _on_device([rows, targets], hidden.device)  # [2, R]: hidden rows, target ids
+    step = rows_per_slice(hidden.device)
+    packed = None  # [R, 2 + 2k] fp32, on rank 0
+    for a in range(0, len(rows), step):
+        logits = compute_logits(hidden[plan[0, a : a + step]])  # [r, V] or None
+        if logits is None:
+            continue
+        if packed is None:
+            packed = torch.empty(len(rows), 2 + 2 * k, dtype=torch.float32, device=logits.device)
+        token_scores.token_scores(logits, plan[1, a : a + step], k, packed[a : a + step])
+    return None if packed is None else PromptScores(packed, targets, owners)

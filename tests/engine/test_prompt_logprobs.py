@@ -22,6 +22,21 @@ def test_matches_stock_forward(logprob_model, k):
         assert len(o.token_ids) == 3
 
 
+def test_mixed_k_in_one_step(logprob_model):
+    """Requests with k = 0, 1 and 4 (and one without prompt logprobs) share steps: the step
+    packs the largest k and each request gets its own k alternatives."""
+    path, hf = logprob_model
+    prompts = make_prompts([12, 30, 7, 21], seed=11)
+    ks = [4, 0, None, 1]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k) for k in ks]
+    outs, _ = run(path, prompts, params)
+    for p, o, k in zip(prompts, outs, ks):
+        if k is None:
+            assert o.prompt_logprobs is None
+        else:
+            check(hf, p, o.prompt_logprobs, k)
+
+
 def test_not_asked_is_none(logprob_model):
     outs, _ = run(logprob_model[0], make_prompts([5], 0), SamplingParams(max_tokens=2))
     assert outs[0].prompt_logprobs is None
