@@ -28,7 +28,7 @@ import importlib.util
 import sys
 import threading
 
-from hf_paged.integration import hooks
+from hf_paged.integration import engine_owner, hooks
 from hf_paged.integration.fallback import PagedFallback, warn_fallback
 from hf_paged.integration.lm_eval import generate_until as _until
 from hf_paged.integration.lm_eval import loglikelihood as _ll
@@ -91,12 +91,21 @@ def _patch(hflm_cls) -> None:
 
 def _serve(method: str, paged, original, self, requests, **kwargs):
     if not is_active(self) or not requests:
-        return original(self, requests, **kwargs)
+        return _stock(original, self, requests, **kwargs)
     try:
         return paged(self, requests, kwargs.get("disable_tqdm", False))
     except PagedFallback as fb:
         warn_fallback(fb, f"lm-eval HFLM.{method}")
-        return original(self, requests, **kwargs)
+        return _stock(original, self, requests, **kwargs)
+
+
+def _stock(original, self, requests, **kwargs):
+    """Stock's method, after the model's CUDA engine gave its memory back (stock's own forward
+    calls do not pass through the generate dispatcher; see ``engine_owner``)."""
+    model = getattr(self, "model", None)
+    if model is not None:
+        engine_owner.give_back_for_stock(model)
+    return original(self, requests, **kwargs)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
