@@ -185,6 +185,7 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
     stock call runs again (the engine gave its memory back) with the same tokens, and a paged
     call after it gets its tokens from a rebuilt engine."""
     workloads = _load_workloads()
+    workloads.free_memory("cuda")  # earlier tests' models and engines (cycles) go first
     model = workloads.build_random_model("llama3-8b", "cuda", torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(3, 128000, (BEAM_PROMPTS, 512), device="cuda", generator=gen)
