@@ -22,7 +22,7 @@ Model: random bf16 weights of ``--arch`` (default Qwen3-0.6B shape); tokenizer: 
 tokenizer padded to the model's vocabulary (``hf_paged.testing.build_char_tokenizer``).
 Results: evaluation/results/lm_eval_<UTC>.json.
 
-GPU (lm-eval travels as wheels, see ../shared/tools/lmeval-gpu-wheels.sh):
+GPU (lm-eval travels as wheels, see tools/gpu-wheels.sh: make gpu-wheels):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. \
     python3 evaluation/bench_lm_eval.py

@@ -9,7 +9,6 @@ import gc
 import pytest
 import torch
 import transformers
-from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -69,8 +68,8 @@ def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_siz
     _no_leaks(paged_pipe.model.engine)
 
 
-def test_key_dataset_is_one_engine_run(paged_pipe, stock_many, counter):
-    ds = Dataset.from_dict({"text": MANY})
+def test_key_dataset_is_one_engine_run(paged_pipe, stock_many, counter, hf_datasets):
+    ds = hf_datasets.Dataset.from_dict({"text": MANY})
     out = paged_pipe(KeyDataset(ds, "text"), batch_size=8, **GREEDY)
     assert not isinstance(out, list)  # lazy, as stock's
     assert list(out) == stock_many[8]

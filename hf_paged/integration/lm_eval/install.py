@@ -100,14 +100,25 @@ def _serve(method: str, adapter: str, original, self, requests, **kwargs):
     # the request phase of the client's time breakdown, stock and paged alike
     with timings.span("client.requests"):
         if not is_active(self) or not requests:
-            return original(self, requests, **kwargs)
+            return _stock(original, self, requests, **kwargs)
         module, _, name = adapter.partition(":")
         paged = getattr(importlib.import_module(f"hf_paged.integration.lm_eval.{module}"), name)
         try:
             return paged(self, requests, kwargs.get("disable_tqdm", False))
         except PagedFallback as fb:
             warn_fallback(fb, f"lm-eval HFLM.{method}")
-            return original(self, requests, **kwargs)
+            return _stock(original, self, requests, **kwargs)
+
+
+def _stock(original, self, requests, **kwargs):
+    """Stock's method, after the model's CUDA engine gave its memory back (stock's own forward
+    calls do not pass through the generate dispatcher; see ``engine_owner``). No engine can
+    exist before ``engine_owner`` is loaded, so a stock-only run does not import it."""
+    owners = sys.modules.get("hf_paged.integration.engine_owner")
+    model = getattr(self, "model", None)
+    if owners is not None and model is not None:
+        owners.give_back_for_stock(model)
+    return original(self, requests, **kwargs)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
