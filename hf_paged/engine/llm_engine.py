@@ -10,13 +10,13 @@ External sampling (used by the HF ``generate`` integration): such a request is n
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
 ``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
 ``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
-Paused sequences whose blocks waiting ones need are parked (``paused.py``). A beam-search
+Paused sequences whose blocks waiting ones need are parked (``core/paused.py``). A beam-search
 request (``beam_search=True``) is external too: its sequences are its beams, and
-``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``beams.py``).
+``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``core/beams.py``).
 
-Speculative decoding: a request added with a ``proposer`` (``proposers.py``) verifies several
+Speculative decoding: a request added with a ``proposer`` (``spec/proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
-(``spec_decode.py``); its output is what it would be without the proposer.
+(``spec/spec_decode.py``); its output is what it would be without the proposer.
 """
 
 from __future__ import annotations
@@ -27,28 +27,28 @@ from itertools import count
 import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
-from hf_paged.engine import beams, paused
-from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.outputs import RequestOutput
-from hf_paged.engine.overlap import OverlapStepper
-from hf_paged.engine.request import (
+from hf_paged.engine.core import beams, paused
+from hf_paged.engine.core.block_manager import BlockManager
+from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.request import (
     EngineRequest,
     RequestGroup,
     RequestStream,
     check_request_args,
     validate_prompt,
 )  # fmt: skip
-from hf_paged.engine.request import run as _run_requests
-from hf_paged.engine.request import stream as _stream_requests
-from hf_paged.engine.request_state import RequestState, RequestTable
+from hf_paged.engine.core.request import run as _run_requests
+from hf_paged.engine.core.request import stream as _stream_requests
+from hf_paged.engine.core.request_state import RequestState, RequestTable
+from hf_paged.engine.core.scheduler import Scheduler
+from hf_paged.engine.core.sequence import Sequence
+from hf_paged.engine.overlap import OverlapStepper
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
-from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence
-from hf_paged.engine.spec_decode import SpecDecoder, check_proposer
+from hf_paged.engine.spec.spec_decode import SpecDecoder, check_proposer
 from hf_paged.engine.stats import engine_stats
-from hf_paged.engine.step_profile import StepProfile
 from hf_paged.engine.stepping import Stepper, StepResult
-from hf_paged.engine.stop import StopStrings, StopStringsCache
+from hf_paged.engine.stop_strings import StopStrings, StopStringsCache
+from hf_paged.engine.worker.step_profile import StepProfile
 
 
 class LLMEngine:
@@ -71,14 +71,14 @@ class LLMEngine:
         self.hf_config = self.runtime.hf_config
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
-        self.requests = RequestTable(self.runtime.device)
+        self.requests = RequestTable(self._new_generator)
         # external seqs whose logits were handed out, waiting for their token; a parked one
-        # (preempted meanwhile) holds no blocks and has status WAITING (``paused.py``)
+        # (preempted meanwhile) holds no blocks and has status WAITING (``core/paused.py``)
         self._paused: dict[int, Sequence] = {}
         self.num_parked = 0  # paused sequences whose blocks were freed for waiting ones
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
-        from hf_paged.engine.executor import create_executor
+        from hf_paged.engine.worker.executor import create_executor
 
         self.executor = create_executor(self.runtime, model)
         self.runtime.num_kv_blocks = self.executor.num_kv_blocks
@@ -181,14 +181,14 @@ class LLMEngine:
         return req is not None and req.seqs[0].seq_id in self._paused
 
     def reset_tokens(self, request_id, token_ids: list[int]) -> None:
-        """External sampling: the request's sequence holds exactly ``token_ids`` (``paused.py``)."""
+        """External sampling: the request's sequence holds exactly ``token_ids`` (``core/paused.py``)."""
         paused.reset_tokens(self, request_id, token_ids)
 
     def provide_beams(self, request_ids: list, parents: list[list[int]],
                       token_ids: list[list[int]]) -> None:  # fmt: skip
         """Beam search: every request of ``request_ids`` gets its next beams, beam ``j`` of
         request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
-        (``beams.py``)."""
+        (``core/beams.py``)."""
         beams.provide_beams(self, request_ids, parents, token_ids)
 
     # ---- driving requests ---------------------------------------------------------------
@@ -254,6 +254,12 @@ class LLMEngine:
         ready = self._overlap.ready if self._overlap is not None else None
         for req in self.requests.take_done(ready):
             result.finished.append(req.output(self.tokenizer))
+
+    def _new_generator(self, seed: int) -> torch.Generator:
+        """A generator on the engine's device seeded with ``seed`` (a seeded request's)."""
+        g = torch.Generator(device=self.runtime.device)
+        g.manual_seed(seed)
+        return g
 
     # ---- stats / lifecycle --------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """One engine step's model run and what its results do to the requests, in both stepping modes.
 
 Synchronous (``run_sync``): run the scheduled step, append the sampled tokens (or the tokens a
-chunk with speculative tokens keeps, ``spec_decode.py``), check stops on each, hand
+chunk with speculative tokens keeps, ``spec/spec_decode.py``), check stops on each, hand
 external-sampling rows their logits and pause them. Overlapped (``launch`` + ``apply_resolved``,
 ``EngineConfig.async_scheduling``): launch the step with placeholders, end what a length limit
 ends, then apply the stop checks that need token values to the previous step's tokens once they
@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from hf_paged.engine.outputs import RequestOutput, SchedulerOutput
+from hf_paged.engine.core.contracts import SchedulerOutput
+from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.stop import check_stop
 from hf_paged.engine.overlap import OverlapStepper, Resolution
-from hf_paged.engine.stop import check_stop
+from hf_paged.engine.worker.sampling_inputs import sampling_metadata
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Stepper:
         internal = [(s, n) for s, n, raw in zip(sampled_seqs, counts, by_logits) if not raw]
         sampling = None
         if internal:
-            sampling = self.requests.sampling_metadata(*map(list, zip(*internal)))
+            sampling = sampling_metadata(self.requests, *map(list, zip(*internal)))
         ro = self.engine.executor.run(inp, sampling, external)
         if ro.prompt_logprobs is not None:
             self.requests.record_prompt_logprobs(inp.chunks, ro.prompt_logprobs)
@@ -114,7 +116,7 @@ class Stepper:
             chunk.prompt_rows = self.requests.prompt_rows(
                 seq, chunk.start_pos, len(chunk.token_ids)
             )
-        sampling = self.requests.sampling_metadata(rows) if rows else None
+        sampling = sampling_metadata(self.requests, rows) if rows else None
         resolved = self.overlap.launch(out, inp, rows, sampling)
         result.num_generated_tokens += len(rows)
         for seq in rows:  # token values unknown: only the length limits can end it now

@@ -39,7 +39,7 @@ from transformers.generation.logits_process import PrefixConstrainedLogitsProces
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest, RequestGroup
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import check_fits
 from hf_paged.integration.prepare import PreparedCall

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest, RequestGroup
 
 
 def run_external(engine, call):

@@ -13,7 +13,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.proposers import NgramProposer
+from hf_paged.engine.spec.proposers import NgramProposer
 from hf_paged.integration import dispatch
 from hf_paged.testing import build_hf_model
 
