@@ -10,9 +10,10 @@ External sampling (used by the HF ``generate`` integration): such a request is n
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
 ``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
 ``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
-Paused sequences whose blocks waiting ones need are parked (``core/paused.py``). A beam-search
-request (``beam_search=True``) is external too: its sequences are its beams, and
-``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``core/beams.py``).
+Paused sequences whose blocks waiting ones need are parked. A beam-search request
+(``beam_search=True``) is external too: its sequences are its beams, and ``provide_beams``
+replaces them all at once by forks of them sharing KV blocks. ``ExternalSequences``
+(``core/external_sequences.py``) owns the paused, parked and forked sequences.
 
 Speculative decoding: a request added with a ``proposer`` (``spec/proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
@@ -27,8 +28,8 @@ from itertools import count
 import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
-from hf_paged.engine.core import beams, paused
 from hf_paged.engine.core.block_manager import BlockManager
+from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import (
     EngineRequest,
@@ -72,10 +73,6 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
         self.requests = RequestTable(self._new_generator)
-        # external seqs whose logits were handed out, waiting for their token; a parked one
-        # (preempted meanwhile) holds no blocks and has status WAITING (``core/paused.py``)
-        self._paused: dict[int, Sequence] = {}
-        self.num_parked = 0  # paused sequences whose blocks were freed for waiting ones
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.worker.executor import create_executor
@@ -94,6 +91,11 @@ class LLMEngine:
             self.config.max_num_batched_tokens,
             self.runtime.max_model_len,
         )
+        # external seqs whose logits were handed out, waiting for their token; beams
+        self.external = ExternalSequences(
+            self.scheduler, self.block_manager, self.requests, self.runtime.vocab_size,
+            self.runtime.max_model_len,
+        )  # fmt: skip
         self._overlap = (
             OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
         )
@@ -165,7 +167,7 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if not seq.is_finished:
-                self._paused.pop(seq.seq_id, None)
+                self.external.forget(seq)
                 self.finish_sequence(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -173,23 +175,29 @@ class LLMEngine:
 
     def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
         """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
-        paused.provide_token(self, request_id, token_id, finish)
+        seq = self.external.take_token(request_id, token_id)
+        if finish:
+            self.finish_sequence(seq, "stop")
+        elif len(seq) >= self.runtime.max_model_len:
+            self.finish_sequence(seq, "length")
+        else:
+            self.external.resume(seq)
 
     def awaits_token(self, request_id) -> bool:
         """External sampling: the request is paused with its next-token logits handed out."""
-        req = self.requests.by_id.get(request_id)
-        return req is not None and req.seqs[0].seq_id in self._paused
+        return self.external.awaits_token(request_id)
 
     def reset_tokens(self, request_id, token_ids: list[int]) -> None:
-        """External sampling: the request's sequence holds exactly ``token_ids`` (``core/paused.py``)."""
-        paused.reset_tokens(self, request_id, token_ids)
+        """External sampling: the request's sequence holds exactly ``token_ids``
+        (``ExternalSequences.reset_tokens``)."""
+        self.external.reset_tokens(request_id, token_ids)
 
     def provide_beams(self, request_ids: list, parents: list[list[int]],
                       token_ids: list[list[int]]) -> None:  # fmt: skip
         """Beam search: every request of ``request_ids`` gets its next beams, beam ``j`` of
         request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
-        (``core/beams.py``)."""
-        beams.provide_beams(self, request_ids, parents, token_ids)
+        (``ExternalSequences.provide_beams``)."""
+        self.external.provide_beams(request_ids, parents, token_ids)
 
     # ---- driving requests ---------------------------------------------------------------
 
@@ -223,7 +231,7 @@ class LLMEngine:
                 self.spec.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             # paused sequences hold the blocks the waiting ones need: park them, newest first
-            while out.is_empty and self.scheduler.waiting and paused.park_newest(self):
+            while out.is_empty and self.scheduler.waiting and self.external.park_newest():
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
             if out.is_empty:
@@ -242,11 +250,6 @@ class LLMEngine:
             self.spec.release(seq)
         self.scheduler.finish(seq, reason)
         self.requests.mark_finished(seq)
-
-    def pause(self, seq: Sequence) -> None:
-        """External sampling: ``seq`` holds its blocks and waits for ``provide_token``."""
-        self.scheduler.running.remove(seq)
-        self._paused[seq.seq_id] = seq
 
     def _collect_finished(self, result: StepResult) -> None:
         """Report requests whose last sequence finished (only those touched since last time);

@@ -7,7 +7,7 @@ external-sampling rows their logits and pause them. Overlapped (``launch`` + ``a
 ends, then apply the stop checks that need token values to the previous step's tokens once they
 reach the host (see ``overlap.py``). The engine owns the state; the stepper reads it through the
 engine's parts and changes sequences only through ``engine.finish_sequence`` and
-``engine.pause``.
+``engine.external.pause``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Stepper:
         )
         for seq, req, r0, n, old in zip(sampled_seqs, reqs, starts, counts, old_lens):
             if req.external:
-                self.engine.pause(seq)
+                self.engine.external.pause(seq)
                 if req.beam_search:
                     result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[r0]
                 else:

@@ -98,7 +98,7 @@ def test_max_in_flight_bounds_the_engine_queues(llm):
     real_step = eng.step
 
     def step():
-        seen.append(len(eng.scheduler.waiting) + len(eng.scheduler.running) + len(eng._paused))
+        seen.append(len(eng.scheduler.waiting) + len(eng.scheduler.running) + len(eng.external))
         return real_step()
 
     def source():
