@@ -135,7 +135,7 @@ class LLMEngine:
             proposer: proposes speculative tokens for it (``NgramProposer``,
                 ``DraftModelProposer``); None = one token per step.
             beam_search: an external request whose beams the caller sets with
-                ``provide_beams``; ``step`` reports its logits per beam (``beam_logits``).
+                ``provide_beams``; ``step`` reports its logits per beam (``StepResult.logits``).
 
         Raises:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
@@ -240,7 +240,8 @@ class LLMEngine:
             elif overlap:
                 self._stepper.launch(out, result)
             else:
-                self._stepper.run_sync(out, result)
+                for seq in self._stepper.run_sync(out, result):
+                    self.external.pause(seq)
             self._collect_finished(result)
         return result
 

@@ -6,8 +6,8 @@ external-sampling rows their logits and pause them. Overlapped (``launch`` + ``a
 ``EngineConfig.async_scheduling``): launch the step with placeholders, end what a length limit
 ends, then apply the stop checks that need token values to the previous step's tokens once they
 reach the host (see ``overlap.py``). The engine owns the state; the stepper reads it through the
-engine's parts and changes sequences only through ``engine.finish_sequence`` and
-``engine.external.pause``.
+engine's parts, returns the sequences to pause, and ends sequences only through
+``engine.finish_sequence``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from hf_paged.engine.worker.sampling_inputs import sampling_metadata
 @dataclass
 class StepResult:
     finished: list[RequestOutput] = field(default_factory=list)
-    # external-sampling requests: request_id -> next-token raw logits [V] float32 (on the
-    # engine's device)
+    # external-sampling requests: (request_id, beam index) -> next-token raw logits [V]
+    # float32 on the engine's device (beam 0 for a request that is not a beam search)
     logits: dict = field(default_factory=dict)
-    # external beam-search requests: (request_id, beam index) -> next-token raw logits [V]
-    beam_logits: dict = field(default_factory=dict)
     num_generated_tokens: int = 0  # tokens sampled (or handed out as logits) by this step
 
 
@@ -44,9 +42,10 @@ class Stepper:
         self.requests = engine.requests
         self.max_model_len = engine.runtime.max_model_len
 
-    def run_sync(self, out: SchedulerOutput, result: StepResult) -> None:
+    def run_sync(self, out: SchedulerOutput, result: StepResult) -> list:
         """Synchronous step: run, append the sampled (or verified speculative) tokens, check
-        stops."""
+        stops; returns the external sequences whose logits ``result`` hands out (the engine
+        pauses them)."""
         inp, sampled_seqs = out.model_input()
         for seq, chunk in zip(out.seqs, inp.chunks, strict=True):
             chunk.prompt_rows = self.requests.prompt_rows(
@@ -75,16 +74,14 @@ class Stepper:
                 got = verified.get(seq.seq_id)
                 new[seq.seq_id] = list(got[0]) if got else ro.sampled_token_ids[r0]
         old_lens = [len(s) for s in sampled_seqs]
+        handed_out = []
         self.engine.scheduler.update(
             out, [new.get(c.seq_id) if c.sample else None for c in inp.chunks]
         )
         for seq, req, r0, n, old in zip(sampled_seqs, reqs, starts, counts, old_lens):
             if req.external:
-                self.engine.external.pause(seq)
-                if req.beam_search:
-                    result.beam_logits[(req.request_id, req.seqs.index(seq))] = ro.logits[r0]
-                else:
-                    result.logits[req.request_id] = ro.logits[r0]
+                handed_out.append(seq)
+                result.logits[(req.request_id, req.seqs.index(seq))] = ro.logits[r0]
                 result.num_generated_tokens += 1
                 continue
             got = verified.get(seq.seq_id)
@@ -93,6 +90,7 @@ class Stepper:
             result.num_generated_tokens += kept
             self.spec.observe(seq, n - 1, max(0, kept - 1))
             self._check_new_tokens(seq, req, old, lps)
+        return handed_out
 
     def _check_new_tokens(self, seq, req, first: int, lps) -> None:
         """The stop rule on each token appended from index ``first`` on, in order: the first

@@ -137,7 +137,7 @@ class FakeEngine:
             logits = self._logits(req)
             if req.external:
                 req.paused = True
-                res.logits[req.rid] = logits
+                res.logits[(req.rid, 0)] = logits
                 continue
             tok = self._sample(req, logits)
             req.tokens.append(tok)

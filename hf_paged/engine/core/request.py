@@ -163,6 +163,33 @@ class RequestGroup:
                 self._new.append(out)
         return res
 
+    def await_logits(self, keys, budget: int) -> dict:
+        """Step until every ``(request_id, beam)`` of ``keys`` has its next-token logits (an
+        external-sampling request is beam 0); returns ``{key: logits row}``. A preempted request
+        reports again: the same values.
+
+        Raises:
+            RuntimeError: the engine ended one of the requests itself, or ``budget`` steps did
+                not bring every row.
+        """
+        want, got = set(keys), {}
+        rids = {rid for rid, _ in want}
+        for _ in range(budget):
+            if want <= got.keys():
+                return got
+            res = self.step()
+            got.update((key, row) for key, row in res.logits.items() if key in want)
+            ended = [rid for rid in rids if rid in self.outputs]
+            if ended:
+                out = self.outputs[ended[0]]
+                raise RuntimeError(
+                    f"the engine ended request {ended[0]!r} itself "
+                    f"(finish_reason={out.outputs[0].finish_reason!r})"
+                )
+        if want <= got.keys():
+            return got
+        raise RuntimeError(f"the engine made no progress on {len(want - got.keys())} row(s)")
+
     def take_finished(self) -> list[RequestOutput]:
         """This group's requests reported since the last call, in report order."""
         new, self._new = self._new, []

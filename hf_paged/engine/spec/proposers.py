@@ -285,7 +285,7 @@ class DraftModelProposer:
             if len(got) == len(rids) and all(eng.awaits_token(r) for r in rids):
                 return torch.stack([got[r] for r in rids])
             res = eng.step()
-            got.update((r, x) for r, x in res.logits.items() if r in rids)
+            got.update((r, x) for (r, _), x in res.logits.items() if r in rids)
         raise RuntimeError(f"the draft engine made no progress on {len(rids)} request(s)")
 
     def _draw(self, logits: torch.Tensor, items: list[ProposalRequest], drafts):

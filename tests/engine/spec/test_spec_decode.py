@@ -257,7 +257,7 @@ def test_reset_tokens_keeps_the_common_prefix_kv(target):
     res = eng.step()
     fresh = eng.add_request(new, SamplingParams(max_tokens=1), external_sampling=True)
     res2 = eng.step()
-    torch.testing.assert_close(res.logits[rid], res2.logits[fresh], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(res.logits[(rid, 0)], res2.logits[(fresh, 0)], atol=1e-4, rtol=1e-4)
     assert eng.awaits_token(rid) and seq.num_computed_tokens == 11
     eng.reset_tokens(rid, new)  # the same tokens: the last one is computed again
     assert seq.num_computed_tokens == 10 and not eng.awaits_token(rid)
