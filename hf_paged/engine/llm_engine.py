@@ -2,9 +2,11 @@
 
 One engine owns one model (a checkpoint directory or an in-memory HF model whose weights it
 shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one forward pass over
-whatever the scheduler picked (prefill chunks and decodes mixed) and reports finished requests.
-Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act between
-steps; see ``request.py``), which abort and drain what is in flight when the caller stops early.
+whatever the scheduler picked (prefill chunks and decodes mixed), applies the stop rule to the
+tokens the step appended (``_take_tokens``, the one place a sequence stops) and reports finished
+requests. Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act
+between steps; see ``core/request.py``), which abort and drain what is in flight when the caller
+stops early.
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
@@ -29,6 +31,7 @@ import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.core.block_manager import BlockManager
+from hf_paged.engine.core.contracts import TakenTokens
 from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import (
@@ -176,11 +179,11 @@ class LLMEngine:
     def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
         """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
         seq = self.external.take_token(request_id, token_id)
-        if finish:
+        if finish:  # the caller ends it
             self.finish_sequence(seq, "stop")
-        elif len(seq) >= self.runtime.max_model_len:
-            self.finish_sequence(seq, "length")
-        else:
+            return
+        self._take_tokens([TakenTokens(seq, len(seq) - 1, len(seq), "provided")])
+        if not seq.is_finished:
             self.external.resume(seq)
 
     def awaits_token(self, request_id) -> bool:
@@ -225,7 +228,7 @@ class LLMEngine:
         overlap = self._overlap is not None and not self.requests.num_sync
         if self._overlap is not None and not overlap:
             # a synchronous step needs every token on the host
-            self._stepper.apply_resolved(self._overlap.drain())
+            self._take_tokens(self._stepper.resolved(self._overlap.drain()))
         with self.profile.section("schedule"):
             if self.requests.num_spec:  # such requests step synchronously: tokens on the host
                 self.spec.propose(self.scheduler.running)
@@ -236,14 +239,47 @@ class LLMEngine:
         with self.profile.section("step_total"):
             if out.is_empty:
                 if self._overlap is not None:
-                    self._stepper.apply_resolved(self._overlap.drain())
+                    self._take_tokens(self._stepper.resolved(self._overlap.drain()))
             elif overlap:
-                self._stepper.launch(out, result)
+                launched, resolution = self._stepper.launch(out, result)
+                self._take_tokens(launched)
+                self._take_tokens(self._stepper.resolved(resolution))
             else:
-                for seq in self._stepper.run_sync(out, result):
+                taken, handed_out = self._stepper.run_sync(out, result)
+                self._take_tokens(taken)
+                for seq in handed_out:
                     self.external.pause(seq)
             self._collect_finished(result)
         return result
+
+    def _take_tokens(self, taken: list[TakenTokens]) -> None:
+        """The stop rule on a step's tokens, where the engine takes them (``TakenTokens``): each
+        token in order until one ends its sequence; the tokens after it are dropped. Logprobs
+        are recorded up to the stop. A sequence already ended while its last token was on the
+        device (a length limit at launch, or an abort) is reported now, and a stop token among
+        its tokens makes its reason "stop", as the synchronous path reports it."""
+        max_len = self.runtime.max_model_len
+        for t in taken:
+            seq, req = t.seq, self.requests.of(t.seq.seq_id)
+            if t.kind == "resolved" and not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)  # its tokens are final now
+            record = t.logprobs is not None and req.params.logprobs is not None
+            reason, end = None, t.first
+            for j, end in enumerate(range(t.first + 1, t.last + 1)):
+                if record:
+                    req.logprobs.setdefault(seq.seq_id, []).append(t.logprobs[j])
+                reason = req.stop_reason(seq, end, max_len, known=t.kind != "launched")
+                if reason is not None:
+                    break
+            if seq.is_finished:
+                if reason == "stop":
+                    del seq.token_ids[end:]  # drop tokens launched after the stop
+                    if seq.finish_reason == "length":
+                        seq.finish_reason = "stop"
+                self.requests.mark_finished(seq)
+            elif reason is not None:
+                del seq.token_ids[end:]  # a placeholder's token arrives with its resolution
+                self.finish_sequence(seq, reason)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""

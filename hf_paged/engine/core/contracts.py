@@ -1,4 +1,5 @@
-"""Plain-data contracts from the scheduler to the runner: what one step runs.
+"""Plain-data contracts from the scheduler to the runner (what one step runs), and from the
+steppers back to the engine (``TakenTokens``: what a step appended, for the stop rule).
 
 Tests fake a stage by building one of these by hand. ``ScheduledChunk`` and ``ModelInput`` are
 what crosses the process boundary to worker ranks, so they hold only what a rank needs. What a
@@ -99,3 +100,22 @@ class ModelInput:
             [ScheduledChunk(i, [0] * n, 0, list(range(i * k, (i + 1) * k)), True)
              for i, n in enumerate(lens)]
         )  # fmt: skip
+
+
+@dataclass(slots=True)
+class TakenTokens:
+    """Tokens a step appended to a sequence, ``seq.token_ids[first:last]``: what the engine
+    applies the stop rule to (``LLMEngine._take_tokens``), in order.
+
+    ``kind`` says where they come from: "sampled" (a synchronous step: sampled or verified
+    speculative tokens, values on the host), "launched" (an overlapped step's placeholder: its
+    value is still on the device, so only the length limits apply), "resolved" (a placeholder
+    whose value reached the host: its full blocks are registered in the prefix cache first),
+    "provided" (an external request's token from its caller: only ``max_model_len`` applies).
+    """
+
+    seq: Sequence
+    first: int
+    last: int
+    kind: str = "sampled"
+    logprobs: list | None = None  # per token, when the runner returned them

@@ -74,14 +74,21 @@ class RequestState:
             seqs[0].max_cached_tokens = req.prompt_lps.max_cached_tokens
         return req
 
-    def stop_reason(self, seq: Sequence, end: int, max_model_len: int) -> str | None:
-        """The finish reason once ``seq`` holds its first ``end`` tokens (the newest one's value
-        known), or None to go on (``check_stop`` plus this request's stop strings)."""
-        hit = self.stop_strings is not None and self.stop_strings.matches(seq.token_ids, end)
+    def stop_reason(self, seq: Sequence, end: int, max_model_len: int,
+                    known: bool = True) -> str | None:  # fmt: skip
+        """The finish reason once ``seq`` holds its first ``end`` tokens, or None to go on: the
+        one place ``check_stop`` is called. ``known``: the newest token's value is on the host
+        (else only the length limits apply). An external request's tokens are its caller's:
+        only ``max_model_len`` applies to it."""
+        num_output = end - seq.num_prompt_tokens
+        if self.external:  # no token value, no max_tokens (0 output tokens < max_tokens >= 1)
+            num_output, known = 0, False
+        token = seq.token_ids[end - 1] if known else None
+        matcher = self.stop_strings if known else None
+        hit = matcher is not None and matcher.matches(seq.token_ids, end)
         return check_stop(
-            end - seq.num_prompt_tokens, seq.token_ids[end - 1], end, self.params, self.stop_ids,
-            max_model_len, stop_string_hit=hit,
-        )  # fmt: skip
+            num_output, token, end, self.params, self.stop_ids, max_model_len, stop_string_hit=hit
+        )
 
     def output(self, tokenizer) -> RequestOutput:
         """The request's ``RequestOutput`` (text decoded when there is a tokenizer)."""
