@@ -121,8 +121,8 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
 def bench_generate(lm, args, dispatch) -> dict:
     from lm_eval.api.instance import Instance
 
-    from hf_paged.engine.request import EngineRequest
-    from hf_paged.engine.stop import StopStrings
+    from hf_paged.engine.core.request import EngineRequest
+    from hf_paged.engine.stop_strings import StopStrings
 
     gen_kwargs = {"until": ["\n\n"], "max_gen_toks": args.max_gen_toks, "do_sample": False}
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23 on one H200, from the project root of a fresh checkout: the GPU memory tests
-# (tests/engine/test_memory_gpu.py) and the client suite (tests/clients, CLIENTS_SIZE=gpu: lm-eval
+# (tests/engine/worker/test_kv_budget_runner.py) and the client suite (tests/clients, CLIENTS_SIZE=gpu: lm-eval
 # CLI, pipelines, datasets.map, `hf-paged run` on a script, torchrun shard_generate, engine
 # start), each client beside stock in fresh processes. Results: one clients_gpu_<UTC>.json per
 # part, and the pytest logs, in $OUT (default evaluation/results).
@@ -40,7 +40,7 @@ suite() {  # name, pytest args...
 
 case $part in
   a | all)
-    suite a_memory tests/engine/test_memory_gpu.py
+    suite a_memory -m gpu tests/engine/worker/test_kv_budget_runner.py
     suite a_clients -m clients tests/clients \
       -k "engine_start or (per_task and (generate_until or multiple_choice))" ;;&
   b | all)

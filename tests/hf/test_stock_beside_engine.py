@@ -6,7 +6,7 @@ On CPU an engine keeps its memory (``engine_owner.gives_back_for_stock`` says no
 replace that predicate to run the mechanism on a real CPU engine: the engine closes, stock's
 output is the output stock gives with no engine, and paged output after the rebuild is the
 same as before. The CUDA case (a stock beam search that runs out of memory beside an engine
-otherwise) is ``tests/engine/test_memory_gpu.py``.
+otherwise) is ``tests/engine/worker/test_kv_budget_runner.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ builds stock's windows per document and scores them all in one run.
 
 from __future__ import annotations
 
-from hf_paged.engine.request import EngineRequest
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.integration.lm_eval.scoring import loglikelihood_result, score_params, score_window
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 
