@@ -237,3 +237,25 @@ def test_a_paged_process_default_streams_a_plain_pipeline(stock_pipe, stock_many
     finally:
         dispatch.set_default_backend(None)
         dispatch.release(model)
+
+
+def test_a_pipeline_from_the_stock_factory_streams_with_backend_paged(stock_pipe, stock_many,
+                                                                      counter):  # fmt: skip
+    """A program that took ``transformers.pipeline`` before ``import hf_paged`` builds a plain
+    ``TextGenerationPipeline``; with ``backend="paged"`` its many-input calls still stream, and
+    without it they stay stock."""
+    model = stock_pipe.model
+    stock_factory = transformers.pipeline.__hf_paged_original__
+    dispatch.configure(model, **ENGINE)
+    try:
+        pipe = stock_factory("text-generation", model=model, tokenizer=stock_pipe.tokenizer,
+                             backend="paged")  # fmt: skip
+        assert type(pipe) is transformers.TextGenerationPipeline
+        assert pipe(MANY, batch_size=1, **GREEDY) == stock_many[1]
+        assert dispatch.get_engine(model).stats["max_num_running_seqs"] > 8
+        assert (counter.calls, counter.streamed) == (0, 64)
+        plain = stock_factory("text-generation", model=model, tokenizer=stock_pipe.tokenizer)
+        assert plain(MANY[:3], batch_size=1, **GREEDY) == stock_many[1][:3]
+        assert (counter.calls, counter.streamed) == (0, 64)  # stock: nothing went paged
+    finally:
+        dispatch.release(model)
