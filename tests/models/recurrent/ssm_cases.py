@@ -81,7 +81,7 @@ def build_module(family: str, seed: int = 0) -> tuple[nn.Module, object]:
 def hf_whole(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Stock on one whole sequence, no cache: ``x [L, D]`` -> ``[L, D]``."""
     if type(module).__name__ == "RecurrentGemmaRecurrentBlock":
-        pos = torch.arange(x.shape[0])[None]
+        pos = torch.arange(x.shape[0], device=x.device)[None]
         return module(x[None], pos, None, use_cache=False)[0][0]
     return module(x[None])[0]
 
@@ -94,9 +94,10 @@ def hf_cached(module: nn.Module, config, prompt: torch.Tensor, steps: torch.Tens
     outs = []
     if type(module).__name__ == "RecurrentGemmaRecurrentBlock":
         module.conv1d_state = None  # the block keeps its own state: start a fresh sequence
-        outs.append(module(prompt[None], torch.arange(prompt.shape[0])[None], None, True)[0][0])
+        pos = torch.arange(prompt.shape[0], device=prompt.device)[None]
+        outs.append(module(prompt[None], pos, None, True)[0][0])
         for s, row in enumerate(steps):
-            pos = torch.tensor([[prompt.shape[0] + s]])
+            pos = torch.tensor([[prompt.shape[0] + s]], device=prompt.device)
             outs.append(module(row[None, None], pos, None, True)[0][0])
         return torch.cat(outs), (module.conv1d_state[0], module.rg_lru.recurrent_states[0])
     from transformers import DynamicCache
@@ -104,7 +105,8 @@ def hf_cached(module: nn.Module, config, prompt: torch.Tensor, steps: torch.Tens
     cache = DynamicCache(config=config)
     outs.append(module(prompt[None], cache)[0])
     for row in steps:
-        outs.append(module(row[None, None], cache)[0])
+        # transformers 5.17's Falcon-H1 gate-first norm drops the length axis at one token
+        outs.append(module(row[None, None], cache).reshape(1, -1))
     layer = cache.layers[module.layer_idx]
     rec = layer.recurrent_states[0]
     return torch.cat(outs), (layer.conv_states[0][0], None if rec is None else rec[0])
@@ -114,10 +116,10 @@ class Pool:
     """A state pool by hand: ``[num_slots + 1, *shape]`` per state of one mixer (slot 0 the
     dummy), filled with noise so that a slot read without ``has_initial_state`` shows."""
 
-    def __init__(self, mixer, num_slots: int = 8, seed: int = 1):
+    def __init__(self, mixer, num_slots: int = 8, seed: int = 1, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         self.states = {
-            s.name: torch.randn((num_slots + 1, *s.shape), generator=g).to(s.dtype)
+            s.name: torch.randn((num_slots + 1, *s.shape), generator=g).to(device, s.dtype)
             for s in mixer.state_specs()
         }
 
@@ -125,14 +127,16 @@ class Pool:
         return {k: v.clone() for k, v in self.states.items()}
 
 
-def make_meta(chunks: list[tuple[int, int, bool]], num_prefills: int) -> RecurrentMeta:
+def make_meta(
+    chunks: list[tuple[int, int, bool]], num_prefills: int, device="cpu"
+) -> RecurrentMeta:
     """``chunks``: per sequence (slot, length, has_initial_state), prefills first."""
     lens = [n for _, n, _ in chunks]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return RecurrentMeta(
         cu_seqlens=cu,
-        state_indices=torch.tensor([s for s, _, _ in chunks], dtype=torch.int64),
-        has_initial_state=torch.tensor([h for _, _, h in chunks], dtype=torch.bool),
+        state_indices=torch.tensor([s for s, _, _ in chunks], dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor([h for _, _, h in chunks], dtype=torch.bool, device=device),
         num_prefills=num_prefills,
         seq_lens=lens,
     )
@@ -144,7 +148,7 @@ def run_chunks(mixer, states, slot: int, x: torch.Tensor, sizes: list[int]) -> t
     first starts fresh, the rest carry the slot's states); the outputs ``[L, D]``."""
     outs, start = [], 0
     for n in sizes:
-        meta = make_meta([(slot, n, start > 0)], num_prefills=int(n > 1 or start == 0))
+        meta = make_meta([(slot, n, start > 0)], int(n > 1 or start == 0), x.device)
         outs.append(mixer(x[start : start + n], meta, states))
         start += n
     return torch.cat(outs)
@@ -161,23 +165,27 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")  # fmt: skip
 
 
-def _inputs(length: int, seed: int) -> torch.Tensor:
-    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _inputs(length: int, seed: int, device) -> torch.Tensor:
+    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def check_whole(mixer, module, length: int = 37) -> None:
     """(a) a whole prompt through our mixer == stock's forward on it (no cache)."""
-    x = _inputs(length, 0)
-    pool = Pool(mixer)
+    x = _inputs(length, 0, _device(module))
+    pool = Pool(mixer, device=x.device)
     close(run_chunks(mixer, pool.states, 3, x, [length]), hf_whole(module, x), "whole prompt")
 
 
 def check_chunked(mixer, module, sizes: list[int], length: int = 37) -> None:
     """(b) the prompt in consecutive chunks of each size, states carried == the whole prompt."""
-    x = _inputs(length, 0)
+    x = _inputs(length, 0, _device(module))
     expected = hf_whole(module, x)
     for size in sizes:
-        pool = Pool(mixer)
+        pool = Pool(mixer, device=x.device)
         got = run_chunks(mixer, pool.states, 5, x, chunk_sizes(length, size))
         close(got, expected, f"chunks of {size}")
 
@@ -188,14 +196,15 @@ def check_mixed(mixer, module) -> None:
     their slots, two single-token decodes) == each sequence alone; other slots untouched."""
     # per sequence: (slot, tokens before this step, tokens in this step)
     plan = [(2, 0, 9), (6, 5, 11), (1, 13, 2), (4, 7, 1), (7, 20, 1)]
-    xs = [_inputs(done + n, 10 + i) for i, (_, done, n) in enumerate(plan)]
-    pool = Pool(mixer)
+    dev = _device(module)
+    xs = [_inputs(done + n, 10 + i, dev) for i, (_, done, n) in enumerate(plan)]
+    pool = Pool(mixer, device=dev)
     for (slot, done, _), x in zip(plan, xs):
         if done:
             run_chunks(mixer, pool.states, slot, x[:done], chunk_sizes(done, 4))
     before = pool.clone()
     chunks = [(slot, n, done > 0) for slot, done, n in plan]
-    meta = make_meta(chunks, num_prefills=3)
+    meta = make_meta(chunks, 3, dev)
     out = mixer(torch.cat([x[done:] for (_, done, _), x in zip(plan, xs)]), meta, pool.states)
     row = 0
     for (slot, done, n), x in zip(plan, xs):
@@ -215,12 +224,26 @@ def check_mixed(mixer, module) -> None:
 def check_decode(mixer, module, config, prompt_len: int = 13, steps: int = 6) -> None:
     """(d) a prefill then single-token decodes == stock's cached path token by token, outputs
     and final states (stock's conv window is the last ``K - 1`` inputs of what it keeps)."""
-    x = _inputs(prompt_len + steps, 3)
+    x = _inputs(prompt_len + steps, 3, _device(module))
     expected, (conv, rec) = hf_cached(module, config, x[:prompt_len], x[prompt_len:])
-    pool = Pool(mixer)
+    pool = Pool(mixer, device=x.device)
     got = run_chunks(mixer, pool.states, 2, x, [prompt_len] + [1] * steps)
     close(got, expected, "prefill + decode")
     width = pool.states["conv"].shape[-1]
     close(pool.states["conv"][2], conv[..., -width:].to(pool.states["conv"].dtype), "conv state")
     if rec is not None:
         close(pool.states["recurrent"][2], rec, "recurrent state")
+
+
+def mixer_for(family: str, module: nn.Module):
+    """Our mixer of ``family`` on ``module``."""
+    from hf_paged.models.recurrent.mamba import MambaMixer
+    from hf_paged.models.recurrent.mamba2 import Mamba2Mixer
+    from hf_paged.models.recurrent.rglru import RGLRUMixer
+    from hf_paged.models.recurrent.short_conv import ShortConvMixer
+
+    if family in MAMBA1:
+        return MambaMixer.from_hf(module)
+    if family in MAMBA2:
+        return Mamba2Mixer.from_hf(module)
+    return {"lfm2": ShortConvMixer, "recurrent_gemma": RGLRUMixer}[family].from_hf(module)
