@@ -9,7 +9,8 @@ selective scan ``h = exp(dt * A) * h + (dt * B) * x``, ``y = h . C + D * x`` ove
 
 The scan walks the step's longest chunk position by position over all its sequences at once
 (``padded.py``; ``dt = 0`` past a chunk's end leaves the state as it is): exact, and one step
-for a decode-only batch. A chunked form is a later speed step.
+for a decode-only batch; on CUDA one Triton program per (sequence, channel block) does the walk
+with its state in registers (``kernels/recurrent_scan.py``, beside its torch reference).
 """
 
 from __future__ import annotations
@@ -18,29 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged.kernels.recurrent_scan import selective_scan
 from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
 from hf_paged.models.recurrent.padded import PaddedLayout, initial_states
 
 # the HF classes this mixer serves
 HF_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
-
-
-def selective_scan(
-    x: torch.Tensor,  # [N, L, E] after the conv
-    dt: torch.Tensor,  # [N, L, E] fp32, after softplus; 0 past each chunk's end
-    a: torch.Tensor,  # [E, S] fp32, -exp(A_log)
-    b: torch.Tensor,  # [N, L, S]
-    c: torch.Tensor,  # [N, L, S]
-    h: torch.Tensor,  # [N, E, S] fp32: the states before the chunks
-) -> tuple[torch.Tensor, torch.Tensor]:  # y [N, L, E] fp32 (without D), h after the chunks
-    """The Mamba 1 recurrence, one position at a time (torch reference)."""
-    ys = []
-    for t in range(x.shape[1]):
-        dt_t = dt[:, t, :, None]  # [N, E, 1]
-        h = h * torch.exp(dt_t * a) + (dt_t * b[:, t, None, :].float()) * x[:, t, :, None].float()
-        ys.append(torch.matmul(h, c[:, t, :, None].float())[..., 0])  # [N, E]
-    return torch.stack(ys, dim=1), h
 
 
 class MambaMixer(RecurrentMixer):

@@ -5,7 +5,8 @@ As the HF block (``RecurrentGemmaRecurrentBlock``): ``y = act(linear_y(h))``;
 ``conv1d_width - 1`` inputs carried in the ``conv`` state, model dtype); the RG-LRU on ``x``:
 per head block-diagonal gates ``i = sigmoid(x W_i + b_i)``, ``r = sigmoid(x W_r + b_r)``,
 ``log a = -8 r softplus(recurrent_param)``, ``state = a * state + sqrt(1 - a^2) * (i * x)``
-over a fp32 ``recurrent`` state ``[lru_width]``; ``linear_out(state * y)``.
+over a fp32 ``recurrent`` state ``[lru_width]`` (``kernels/recurrent_scan.py``: a Triton walk on
+CUDA, its torch reference elsewhere); ``linear_out(state * y)``.
 
 At a sequence's first token (position 0) stock resets: ``a = 0`` and no ``sqrt(1 - a^2)``
 factor. The engine has no padding, so position 0 is the first row of a chunk without
@@ -19,22 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged.kernels.recurrent_scan import linear_scan
 from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
 from hf_paged.models.recurrent.padded import PaddedLayout, initial_states
 
 # the HF classes this mixer serves
 HF_CLASSES = ("RecurrentGemmaRecurrentBlock",)
-
-
-def linear_scan(a: torch.Tensor, x: torch.Tensor, h: torch.Tensor):
-    """``state = a_t * state + x_t`` in fp32 (torch reference). ``a, x [N, L, W]``,
-    ``h [N, W]`` fp32 -> every position's state ``[N, L, W]`` fp32 and the last ``[N, W]``."""
-    out = []
-    for t in range(x.shape[1]):
-        h = a[:, t].float() * h + x[:, t].float()
-        out.append(h)
-    return torch.stack(out, dim=1), h
 
 
 class RGLRUMixer(RecurrentMixer):
