@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_paged.kernels.recurrent_scan import selective_scan
-from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
+from hf_paged.models.recurrent.base import RecurrentMeta, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
-from hf_paged.models.recurrent.padded import PaddedLayout, initial_states
+from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer, initial_states
 
 # the HF classes this mixer serves
 HF_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 
 
-class MambaMixer(RecurrentMixer):
+class MambaMixer(PaddedMixer):
     """One HF Mamba 1 mixer on the engine's flattened step (its parameters, shared).
 
     Args:
@@ -61,7 +61,7 @@ class MambaMixer(RecurrentMixer):
             StateSpec("recurrent", (self.d_inner, self.d_state), torch.float32),
         ]
 
-    def forward(
+    def forward_part(
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """``hidden [T, D]`` -> ``[T, D]``; ``states["conv"] [S+1, E, K-1]``,

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
+from hf_paged.models.recurrent.base import RecurrentMeta, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
-from hf_paged.models.recurrent.padded import PaddedLayout, initial_states
+from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer, initial_states
 from hf_paged.models.recurrent.ssd import ssd_chunked, ssd_step
 
 # the HF classes this mixer serves
@@ -40,7 +40,7 @@ _FIELDS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "nu
            "chunk_size")  # fmt: skip
 
 
-class Mamba2Mixer(RecurrentMixer):
+class Mamba2Mixer(PaddedMixer):
     """One HF Mamba 2 mixer on the engine's flattened step (its parameters, shared).
 
     Args:
@@ -89,7 +89,7 @@ class Mamba2Mixer(RecurrentMixer):
         mup = getattr(m, "mup_vector", None)
         return p if mup is None else p * mup.reshape(-1)
 
-    def forward(
+    def forward_part(
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """``hidden [T, D]`` -> ``[T, D]``; ``states["conv"] [S+1, conv_dim, K-1]``,

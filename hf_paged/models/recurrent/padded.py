@@ -11,6 +11,9 @@ the runner already holds), so a decode-only step (``L == 1``) is CUDA-graph safe
 A scan over the padded batch must leave a state unchanged at a padded position (the mixers
 zero the step size ``dt`` there, or mask the update with ``valid``), so that the state after
 position ``L - 1`` is the state after each chunk's own last token.
+
+``PaddedMixer`` runs a step's prefill chunks and its decodes as two padded batches
+(``split_step``), so that single-token decodes are not padded to the longest prefill chunk.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.models.recurrent.base import RecurrentMeta
+from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer
 
 
 @dataclass(frozen=True)
@@ -67,3 +70,46 @@ def initial_states(pool: torch.Tensor, meta: RecurrentMeta) -> torch.Tensor:
     prev = pool.index_select(0, meta.state_indices)
     keep = meta.has_initial_state.view(-1, *([1] * (pool.dim() - 1)))
     return torch.where(keep, prev, torch.zeros_like(prev))
+
+
+def split_step(meta: RecurrentMeta) -> list[tuple[int, int, RecurrentMeta]]:
+    """The step's prefill chunks and its decodes as separate parts ``(first row, end row,
+    meta)``, each non-empty, so that the decodes (one token each) are never padded to the
+    longest prefill chunk: a padded batch costs ``N * L`` rows, and a step of one long chunk
+    beside many decodes would otherwise cost ``N`` times its rows."""
+    n, num_prefills = len(meta.seq_lens), meta.num_prefills
+    if num_prefills in (0, n):
+        return [(0, sum(meta.seq_lens), meta)]
+    split = sum(meta.seq_lens[:num_prefills])
+    return [
+        (0, split, _part(meta, 0, num_prefills, num_prefills)),
+        (split, split + sum(meta.seq_lens[num_prefills:]), _part(meta, num_prefills, n, 0)),
+    ]
+
+
+def _part(meta: RecurrentMeta, lo: int, hi: int, num_prefills: int) -> RecurrentMeta:
+    """Sequences ``lo:hi`` of the step, their rows counted from the part's first."""
+    return RecurrentMeta(
+        cu_seqlens=meta.cu_seqlens[lo : hi + 1] - meta.cu_seqlens[lo],
+        state_indices=meta.state_indices[lo:hi],
+        has_initial_state=meta.has_initial_state[lo:hi],
+        num_prefills=num_prefills,
+        seq_lens=meta.seq_lens[lo:hi],
+    )
+
+
+class PaddedMixer(RecurrentMixer):
+    """A mixer that runs each part of the step (``split_step``) as a padded batch:
+    subclasses implement ``forward_part`` on one part's rows and meta."""
+
+    def forward(
+        self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``hidden [T, D]`` -> ``[T, D]`` (the contract's ``forward``)."""
+        outs = [self.forward_part(hidden[a:b], part, states) for a, b, part in split_step(meta)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def forward_part(
+        self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        raise NotImplementedError

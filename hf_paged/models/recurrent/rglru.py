@@ -21,15 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_paged.kernels.recurrent_scan import linear_scan
-from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
+from hf_paged.models.recurrent.base import RecurrentMeta, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
-from hf_paged.models.recurrent.padded import PaddedLayout, initial_states
+from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer, initial_states
 
 # the HF classes this mixer serves
 HF_CLASSES = ("RecurrentGemmaRecurrentBlock",)
 
 
-class RGLRUMixer(RecurrentMixer):
+class RGLRUMixer(PaddedMixer):
     """One HF RecurrentGemma recurrent block on the engine's flattened step (its parameters,
     shared).
 
@@ -70,7 +70,7 @@ class RGLRUMixer(RecurrentMixer):
         gate_r = torch.baddbmm(lru.recurrent_gate_bias[:, None, :], xh, lru.recurrent_gate_weight)
         return (torch.sigmoid(g.transpose(0, 1).reshape(x.shape)) for g in (gate_i, gate_r))
 
-    def forward(
+    def forward_part(
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """``hidden [T, D]`` -> ``[T, D]``; ``states["conv"] [S+1, W, K-1]``,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
+from hf_paged.models.recurrent.base import RecurrentMeta, StateSpec
 from hf_paged.models.recurrent.conv_window import causal_conv
-from hf_paged.models.recurrent.padded import PaddedLayout
+from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer
 
 # the HF classes this mixer serves
 HF_CLASSES = ("Lfm2ShortConv",)
 
 
-class ShortConvMixer(RecurrentMixer):
+class ShortConvMixer(PaddedMixer):
     """One HF ``Lfm2ShortConv`` on the engine's flattened step (its parameters, shared).
 
     Args:
@@ -46,7 +46,7 @@ class ShortConvMixer(RecurrentMixer):
         dtype = self.hf.in_proj.weight.dtype
         return [StateSpec("conv", (self.hidden_size, self.kernel - 1), dtype)]
 
-    def forward(
+    def forward_part(
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """``hidden [T, D]`` -> ``[T, D]``; ``states["conv"] [S+1, D, K-1]``."""
