@@ -12,12 +12,14 @@ A scan over the padded batch must leave a state unchanged at a padded position (
 zero the step size ``dt`` there, or mask the update with ``valid``), so that the state after
 position ``L - 1`` is the state after each chunk's own last token.
 
-``PaddedMixer`` runs a step's prefill chunks and its decodes as two padded batches
-(``split_step``), so that single-token decodes are not padded to the longest prefill chunk.
+``PaddedMixer`` runs a step's multi-token chunks and its single tokens as two padded batches
+(``split_step``), so that decodes are not padded to the longest prefill chunk. Nothing here
+assumes an order of the sequences in the step (prefills first or interleaved).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -72,30 +74,47 @@ def initial_states(pool: torch.Tensor, meta: RecurrentMeta) -> torch.Tensor:
     return torch.where(keep, prev, torch.zeros_like(prev))
 
 
-def split_step(meta: RecurrentMeta) -> list[tuple[int, int, RecurrentMeta]]:
-    """The step's prefill chunks and its decodes as separate parts ``(first row, end row,
-    meta)``, each non-empty, so that the decodes (one token each) are never padded to the
-    longest prefill chunk: a padded batch costs ``N * L`` rows, and a step of one long chunk
-    beside many decodes would otherwise cost ``N`` times its rows."""
-    n, num_prefills = len(meta.seq_lens), meta.num_prefills
-    if num_prefills in (0, n):
-        return [(0, sum(meta.seq_lens), meta)]
-    split = sum(meta.seq_lens[:num_prefills])
-    return [
-        (0, split, _part(meta, 0, num_prefills, num_prefills)),
-        (split, split + sum(meta.seq_lens[num_prefills:]), _part(meta, num_prefills, n, 0)),
-    ]
+def split_step(meta: RecurrentMeta) -> list[tuple[slice | torch.Tensor, RecurrentMeta]]:
+    """The step's multi-token chunks and its single tokens as separate parts ``(rows, meta)``
+    (``rows`` a slice of the step's rows, or their indices where the two kinds interleave), so
+    that single tokens are never padded to the longest chunk: a padded batch costs ``N * L``
+    rows, and one long chunk beside many decodes would otherwise cost ``N`` times its rows.
+    A step of one kind is one part (the step itself: no copy, CUDA-graph safe)."""
+    lens = meta.seq_lens
+    single = [n == 1 for n in lens]
+    if all(single) or not any(single):
+        return [(slice(0, sum(lens)), meta)]
+    k = single.index(True)
+    if all(single[k:]):  # chunks first, then single tokens: two slices
+        split = sum(lens[:k])
+        return [
+            (slice(0, split), _part(meta, list(range(k)))),
+            (slice(split, sum(lens)), _part(meta, list(range(k, len(lens))))),
+        ]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    parts = []
+    for kind in (False, True):
+        seqs = [i for i, s in enumerate(single) if s == kind]
+        rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+        parts.append((torch.tensor(rows, device=meta.cu_seqlens.device), _part(meta, seqs)))
+    return parts
 
 
-def _part(meta: RecurrentMeta, lo: int, hi: int, num_prefills: int) -> RecurrentMeta:
-    """Sequences ``lo:hi`` of the step, their rows counted from the part's first."""
-    return RecurrentMeta(
-        cu_seqlens=meta.cu_seqlens[lo : hi + 1] - meta.cu_seqlens[lo],
-        state_indices=meta.state_indices[lo:hi],
-        has_initial_state=meta.has_initial_state[lo:hi],
-        num_prefills=num_prefills,
-        seq_lens=meta.seq_lens[lo:hi],
-    )
+def _part(meta: RecurrentMeta, seqs: list[int]) -> RecurrentMeta:
+    """Sequences ``seqs`` of the step (in order), their rows counted from the part's first."""
+    lens = [meta.seq_lens[i] for i in seqs]
+    dev = meta.cu_seqlens.device
+    if seqs == list(range(seqs[0], seqs[-1] + 1)):  # contiguous: views, no host copy
+        lo, hi = seqs[0], seqs[-1] + 1
+        cu = meta.cu_seqlens[lo : hi + 1] - meta.cu_seqlens[lo]
+        idx, has = meta.state_indices[lo:hi], meta.has_initial_state[lo:hi]
+    else:
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        sel = torch.tensor(seqs, device=dev)
+        idx, has = meta.state_indices[sel], meta.has_initial_state[sel]
+    return RecurrentMeta(cu, idx, has, sum(1 for n in lens if n > 1), lens)
 
 
 class PaddedMixer(RecurrentMixer):
@@ -106,8 +125,13 @@ class PaddedMixer(RecurrentMixer):
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """``hidden [T, D]`` -> ``[T, D]`` (the contract's ``forward``)."""
-        outs = [self.forward_part(hidden[a:b], part, states) for a, b, part in split_step(meta)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        parts = split_step(meta)
+        if len(parts) == 1:
+            return self.forward_part(hidden, meta, states)
+        out = torch.empty_like(hidden)
+        for rows, part in parts:
+            out[rows] = self.forward_part(hidden[rows], part, states)
+        return out
 
     def forward_part(
         self, hidden: torch.Tensor, meta: RecurrentMeta, states: dict[str, torch.Tensor]

@@ -55,6 +55,10 @@ class RGLRUMixer(PaddedMixer):
     def from_hf(cls, hf_module: nn.Module, config=None) -> RGLRUMixer:
         return cls(hf_module)
 
+    def hf_result(self, out: torch.Tensor):
+        """What the HF block's forward returns for the mixer's output: ``(out, None)``."""
+        return out, None
+
     def state_specs(self) -> list[StateSpec]:
         dtype = self.hf.linear_x.weight.dtype
         return [

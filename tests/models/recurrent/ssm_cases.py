@@ -190,12 +190,20 @@ def check_chunked(mixer, module, sizes: list[int], length: int = 37) -> None:
         close(got, expected, f"chunks of {size}")
 
 
+# per sequence of a mixed step: (slot, tokens before this step, tokens in this step)
+MIXED_PLANS = {
+    "prefills_first": [(2, 0, 9), (6, 5, 11), (1, 13, 2), (4, 7, 1), (7, 20, 1)],
+    # the scheduler's order: running sequences (decodes, chunks) first, then new ones
+    "interleaved": [(4, 7, 1), (6, 5, 11), (7, 20, 1), (1, 13, 2), (2, 0, 9), (3, 0, 1)],
+}
+
+
 @torch.no_grad()
-def check_mixed(mixer, module) -> None:
-    """(c) one step of several sequences (a fresh prefill, two prefill chunks continuing from
-    their slots, two single-token decodes) == each sequence alone; other slots untouched."""
-    # per sequence: (slot, tokens before this step, tokens in this step)
-    plan = [(2, 0, 9), (6, 5, 11), (1, 13, 2), (4, 7, 1), (7, 20, 1)]
+def check_mixed(mixer, module, order: str = "prefills_first") -> None:
+    """(c) one step of several sequences (a fresh prefill, prefill chunks continuing from
+    their slots, single-token decodes; in ``MIXED_PLANS[order]``) == each sequence alone;
+    other slots untouched."""
+    plan = MIXED_PLANS[order]
     dev = _device(module)
     xs = [_inputs(done + n, 10 + i, dev) for i, (_, done, n) in enumerate(plan)]
     pool = Pool(mixer, device=dev)
@@ -204,7 +212,7 @@ def check_mixed(mixer, module) -> None:
             run_chunks(mixer, pool.states, slot, x[:done], chunk_sizes(done, 4))
     before = pool.clone()
     chunks = [(slot, n, done > 0) for slot, done, n in plan]
-    meta = make_meta(chunks, 3, dev)
+    meta = make_meta(chunks, sum(1 for _, n, _ in chunks if n > 1), dev)
     out = mixer(torch.cat([x[done:] for (_, done, _), x in zip(plan, xs)]), meta, pool.states)
     row = 0
     for (slot, done, n), x in zip(plan, xs):

@@ -44,8 +44,9 @@ def test_chunked_prefill(case):
     check_chunked(mixer, module, [1, 3, mixer.kernel - 1, mixer.kernel, 16])
 
 
-def test_mixed_step(case):
-    check_mixed(*case[:2])
+@pytest.mark.parametrize("order", ["prefills_first", "interleaved"])
+def test_mixed_step(case, order):
+    check_mixed(*case[:2], order)
 
 
 def test_decode_after_prefill(case):
