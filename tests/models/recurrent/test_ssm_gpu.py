@@ -47,6 +47,7 @@ def test_oracles_cuda(case):
     check_whole(mixer, module)
     check_chunked(mixer, module, [1, mixer.kernel, 16])
     check_mixed(mixer, module)
+    check_mixed(mixer, module, "interleaved")
     check_decode(mixer, module, config)
 
 
