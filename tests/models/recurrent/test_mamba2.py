@@ -1,0 +1,78 @@
+"""Mamba 2 on the engine's step == the stock mixers of Mamba2, Bamba, GraniteMoeHybrid,
+Nemotron-H and Falcon-H1 (three norm modes) (fp32, CPU): whole prompt, chunked prefill, a mixed
+step, decode after prefill; and the chunked SSD == its own per-token recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.models.recurrent.mamba2 import Mamba2Mixer
+from hf_paged.models.recurrent.ssd import ssd_chunked, ssd_step
+from tests.models.recurrent.ssm_cases import (
+    MAMBA2,
+    build_module,
+    check_chunked,
+    check_decode,
+    check_mixed,
+    check_whole,
+    close,
+)
+
+
+@pytest.fixture(scope="module", params=MAMBA2)
+def case(request):
+    module, config = build_module(request.param)
+    return Mamba2Mixer.from_hf(module, config), module, config
+
+
+def test_state_specs(case):
+    mixer, _, _ = case
+    conv, rec = mixer.state_specs()
+    # conv over x (128) and B, C (2 groups x 8)
+    assert (conv.name, conv.shape, conv.dtype) == ("conv", (160, 3), torch.float32)
+    assert (rec.name, rec.shape, rec.dtype) == ("recurrent", (8, 16, 8), torch.float32)
+
+
+def test_whole_prompt(case):
+    check_whole(*case[:2])
+
+
+def test_chunked_prefill(case):
+    mixer, module, _ = case
+    # chunk 8 is the SSD block: 16 crosses blocks, 3 and 1 end inside them
+    check_chunked(mixer, module, [1, 3, mixer.kernel - 1, mixer.kernel, 16])
+
+
+@pytest.mark.parametrize("order", ["prefills_first", "interleaved"])
+def test_mixed_step(case, order):
+    check_mixed(*case[:2], order)
+
+
+def test_decode_after_prefill(case):
+    check_decode(*case)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 64])
+def test_ssd_chunked_equals_steps(chunk):
+    """The block form == the per-token recurrence, from non-zero states, with ragged ends."""
+    g = torch.Generator().manual_seed(0)
+    n, length, heads, p, groups, s = 3, 13, 4, 5, 2, 6
+    x = torch.randn(n, length, heads, p, generator=g)
+    dt = torch.rand(n, length, heads, generator=g)
+    dt[1, 9:] = 0.0  # a chunk that ends early: its state must hold
+    a = -torch.rand(heads, generator=g) * 2
+    b, c = (torch.randn(n, length, groups, s, generator=g) for _ in range(2))
+    h0 = torch.randn(n, heads, p, s, generator=g)
+    y, h = ssd_chunked(x, dt, a, b, c, h0, chunk)
+    ys, hs = [], h0
+    for t in range(length):
+        yt, hs = ssd_step(x[:, t], dt[:, t], a, b[:, t], c[:, t], hs)
+        ys.append(yt)
+    close(y, torch.stack(ys, dim=1), "outputs")
+    close(h, hs, "final states")
+
+
+def test_refuses_other_modules():
+    with pytest.raises(ValueError, match="not a Mamba 2 mixer"):
+        Mamba2Mixer.from_hf(torch.nn.Linear(4, 4))
