@@ -82,7 +82,7 @@ def test_cpu_runs_the_dequantized_weights_unless_told(fp8_gemm_env):
     assert fl.gemm_path(4, 256, 256, cpu, torch.bfloat16, None) == "dequant"
     fp8_gemm_env("w8a8_ref")
     assert fl.gemm_path(4, 256, 256, cpu, torch.bfloat16, (128, 128)) == "w8a8_ref"
-    assert not fl.quantizes_activations(cpu, (128, 128))
+    assert not fl.quantizes_activations(cpu)
 
 
 def test_gpu_rules_with_the_device_faked(monkeypatch, fp8_gemm_env, tmp_path):
@@ -111,7 +111,9 @@ def test_gpu_rules_with_the_device_faked(monkeypatch, fp8_gemm_env, tmp_path):
     assert fl.gemm_path(17, 4096, 4096, dev, bf16, (128, 128)) == "cublaslt"  # GEMV: M <= 16
     fp8_gemm_env("triton")
     assert fl.gemm_path(4096, 4096, 4096, dev, bf16, (128, 128)) == "triton"
-    assert fl.quantizes_activations(dev, (128, 128)) and not fl.quantizes_activations(dev, None)
+    assert fl.quantizes_activations(dev)
+    fp8_gemm_env("dequant")
+    assert not fl.quantizes_activations(dev)
 
 
 # ---- the cuBLASLt call's layout ---------------------------------------------------------------

@@ -224,12 +224,23 @@ def gemm_path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, 
 PATHS = ("cublaslt", "triton", "gemv", "rowwise", "w8a8_ref", "dequant")
 
 
-def quantizes_activations(device: torch.device, block) -> bool:
+def quantizes_activations(device: torch.device) -> bool:
     """Whether block-scaled FP8 layers on ``device`` take per-token-group FP8 activations (every
     path but "dequant" and "w8a8_ref"): then a producer may hand them an ``Fp8Activation``."""
-    if envs.HF_PAGED_FP8_GEMM in ("w8a8_ref", "dequant") or block is None:
+    if envs.HF_PAGED_FP8_GEMM in ("w8a8_ref", "dequant"):
         return False
     return _gpu_fp8(device)
+
+
+def input_group(layer) -> int | None:
+    """The activation group a block-scaled FP8 layer quantizes its input in (its
+    ``weight_block_size[1]``), or None (plain, row-wise or static layers): what a producer
+    before it may quantize in."""
+    method = getattr(layer, "quant_method", None)
+    cfg = getattr(method, "config", None)
+    if cfg is None or cfg.block is None or not cfg.dynamic:
+        return None
+    return cfg.block[1]
 
 
 def _config(path: str, m: int, n: int, k: int):
