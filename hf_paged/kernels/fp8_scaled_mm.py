@@ -19,6 +19,8 @@ kernel (``fp8_gemm.py``) serves. The torch reference is ``fp8_gemm.w8a8_matmul_r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,7 +53,12 @@ def shape_problem(n: int, k: int, block, out_dtype: torch.dtype) -> str | None:
 
 def device_ok(device: torch.device) -> bool:
     """Block-wise scaling runs on Hopper (compute capability 9.x) in torch's CUDA build."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and _hopper(device.index)
+
+
+@functools.cache
+def _hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def block_scaled_mm(

@@ -89,6 +89,7 @@ def test_gpu_rules_with_the_device_faked(monkeypatch, fp8_gemm_env, tmp_path):
     """On a Hopper with block-wise ``F.scaled_mm``: cuBLASLt wherever it takes the shape, the
     Triton kernel elsewhere, the table's choice where it has one, a forced path where it takes
     the shape."""
+    fl._path.cache_clear()
     monkeypatch.setattr(fl, "_gpu_fp8", lambda device: True)
     monkeypatch.setattr(fp8_scaled_mm, "available", lambda: True)
     monkeypatch.setattr(fp8_scaled_mm, "device_ok", lambda device: True)
@@ -114,6 +115,7 @@ def test_gpu_rules_with_the_device_faked(monkeypatch, fp8_gemm_env, tmp_path):
     assert fl.quantizes_activations(dev)
     fp8_gemm_env("dequant")
     assert not fl.quantizes_activations(dev)
+    fl._path.cache_clear()  # the faked device facts must not outlive the test
 
 
 # ---- the cuBLASLt call's layout ---------------------------------------------------------------

@@ -205,6 +205,11 @@ def gemm_path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, 
     forced = envs.HF_PAGED_FP8_GEMM
     if forced in ("w8a8_ref", "dequant"):
         return forced
+    return _path(m, n, k, device, dtype, None if block is None else tuple(block), forced)
+
+
+@functools.lru_cache(maxsize=8192)  # host cost per call: one dict lookup (prefill runs eagerly)
+def _path(m: int, n: int, k: int, device: torch.device, dtype, block, forced: str) -> str:
     if not _gpu_fp8(device):
         return "dequant"
     if block is None:
