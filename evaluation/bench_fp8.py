@@ -170,8 +170,8 @@ def alternate_runs(fp8_src, bf16_src, wl: Workload, ekw: dict, device, repeats: 
     """FP8 and bf16 W2 alternating (A/B/A/B...), so drift hits both; each the median row."""
     rows = {"fp8": [], "bf16": []}
     for _ in range(repeats):
-        rows["fp8"].append(run_llm(fp8_src, wl, ekw, device, system="llm_fp8"))
-        rows["bf16"].append(run_llm(bf16_src, wl, ekw, device, system="llm_bf16"))
+        rows["fp8"].append(run_llm(fp8_src, wl, ekw, device, system="llm"))
+        rows["bf16"].append(run_llm(bf16_src, wl, ekw, device, system="llm"))
     out = []
     for name, rs in rows.items():
         rates = [r["tok_per_s"] for r in rs]

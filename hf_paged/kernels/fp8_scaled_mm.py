@@ -84,6 +84,8 @@ def block_scaled_mm(
     if problem is not None:
         raise ValueError(f"block_scaled_mm: {problem}")
     m = x_q.shape[0]
+    if m == 0:
+        return torch.empty(0, n, dtype=out_dtype, device=x_q.device)
     if x_s.shape != (m, k // 128) or (m > 1 and x_s.stride(0) != 1):
         raise ValueError(
             f"block_scaled_mm: x_s {tuple(x_s.shape)} strides {x_s.stride()} must be "

@@ -193,7 +193,7 @@ def _block_path_ok(path: str, m: int, n: int, k: int, device, dtype, block) -> b
             and fp8_scaled_mm.shape_problem(n, k, block, dtype) is None
         )
     if path == "gemv":
-        return m <= fp8_gemv.MAX_ROWS
+        return 0 < m <= fp8_gemv.MAX_ROWS
     return path == "triton"
 
 
