@@ -72,7 +72,8 @@ def triton_configs(m: int) -> list[dict]:
             for bm, bn, w, s in tiles]  # fmt: skip
 
 
-GEMV_CONFIGS = [(16, 4, 4), (32, 4, 4), (32, 4, 6), (64, 4, 4), (64, 8, 4)]
+GEMV_CONFIGS = [(bn, kt, 4, st) for bn, kt, st in ((16, 2, 4), (16, 4, 3), (32, 1, 6), (32, 2, 4),
+                                                  (32, 4, 3), (64, 2, 3))]  # fmt: skip
 
 
 def graph_us(fn, reps: int = 20) -> float | str:

@@ -7,6 +7,8 @@ time, so every weight byte is read by exactly one program with no split-K reduct
 kernel is bound by reading ``N * K`` bytes (half of bf16's). ``x`` is padded to 16 rows in
 registers so each group is one fp8 tensor-core ``tl.dot``; its fp32 partial product is scaled
 once by ``x_s[:, g] * w_s[n // GROUP_N, g]``, the same order of operations as the block GEMM.
+Each loop iteration issues the loads of ``K_TILES`` groups (unrolled), so enough weight bytes
+are in flight per SM when N / BLOCK_N programs are few.
 
 Activation scales may have any strides (row- or column-major), so the quantization feeding
 cuBLASLt feeds this kernel too. No argument depends on data values: CUDA-graph safe. The torch
@@ -26,8 +28,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_ROWS = 16  # x rows the kernel takes (one tl.dot M tile)
-# (BLOCK_N, num_warps, num_stages); the path table (kernels/fp8_paths.json) may name another
-DEFAULT_CONFIG = (32, 4, 4)
+# (BLOCK_N, K_TILES, num_warps, num_stages); the path table (kernels/fp8_paths.json) may name
+# another per shape
+DEFAULT_CONFIG = (32, 2, 4, 4)
 
 
 def problem(x_q, x_s, weight, w_s, block) -> str | None:
@@ -73,6 +76,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        K_TILES: tl.constexpr,  # scale groups per loop iteration (more bytes in flight)
         USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -87,15 +91,19 @@ if triton is not None:
         ws_ptrs = ws_ptr + (rn // GROUP_N).to(tl.int64) * stride_wsn
         pdl_enter(USE_PDL)  # no-op unless PDL is on (kernels/pdl.py)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, tl.cdiv(K, GROUP_K)):
-            k_ok = g * GROUP_K + rk < K
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x_s = tl.load(xs_ptrs + g * stride_xsg, mask=m_ok, other=0.0)
-            w_s = tl.load(ws_ptrs + g, mask=n_ok, other=0.0)
-            acc += tl.dot(x, tl.trans(w)) * x_s[:, None] * w_s[None, :]
-            x_ptrs += GROUP_K
-            w_ptrs += GROUP_K
+        num_groups = tl.cdiv(K, GROUP_K)
+        for g0 in range(0, num_groups, K_TILES):
+            for j in tl.static_range(K_TILES):  # K_TILES groups' loads issued per iteration
+                g = g0 + j
+                k_ok = g * GROUP_K + rk < K  # also false past the last group
+                w = tl.load(w_ptrs + j * GROUP_K, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs + j * GROUP_K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                gs = tl.minimum(g, num_groups - 1)  # past the last group x and w load as 0
+                x_s = tl.load(xs_ptrs + gs * stride_xsg, mask=m_ok, other=0.0)
+                w_s = tl.load(ws_ptrs + gs, mask=n_ok, other=0.0)
+                acc += tl.dot(x, tl.trans(w)) * x_s[:, None] * w_s[None, :]
+            x_ptrs += K_TILES * GROUP_K
+            w_ptrs += K_TILES * GROUP_K
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -110,7 +118,7 @@ def fp8_gemv(
     block: tuple[int, int],
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages)
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_N, K_TILES, warps, stages)
 ) -> torch.Tensor:  # [M, N] out_dtype
     """Block-scale FP8 GEMV (see the module docstring).
 
@@ -122,12 +130,13 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv: {why}")
     m, k = x_q.shape
     n = weight.shape[0]
-    block_n, warps, stages = config or DEFAULT_CONFIG
+    block_n, k_tiles, warps, stages = config or DEFAULT_CONFIG
     y = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x_q, x_s, weight, w_s, bias if bias is not None else y, y,
         m, n, k, x_q.stride(0), x_s.stride(0), x_s.stride(1), weight.stride(0), w_s.stride(0),
         y.stride(0), GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **pdl_kwargs(x_q),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, K_TILES=k_tiles, num_warps=warps, num_stages=stages,
+        **pdl_kwargs(x_q),
     )  # fmt: skip
     return y

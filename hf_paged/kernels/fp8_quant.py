@@ -11,12 +11,13 @@ buffer seen as its transpose ``[M, G]`` with strides ``(1, M)``. The values are 
 
 Two kernels, both CUDA-graph safe (shapes only, no data-dependent arguments):
 
-* tiles (``group`` a power of 2 up to 1024, the fine-grained case): one program reads
-  ``GROUPS`` whole groups of one row once, keeps them in registers, and writes values and
-  scales; at K = 14336, M = 8192 that is ~115k programs of 1024 elements each, one read and one
-  write of ``x``, i.e. memory speed.
-* loop (any group, e.g. one per token with K = 4096 or K = 100): one program per (row, group),
-  a loop of ``BLOCK`` columns for the amax and a second for the store, bounded registers.
+* tiles (``group`` a power of 2 up to 1024, the fine-grained case; or one scale per token with
+  K <= 16384, the row as one masked tile): one program reads ``GROUPS`` whole groups of one row
+  once, keeps them in registers, and writes values and scales; at K = 14336, M = 8192 that is
+  ~115k programs of 1024 elements each, one read and one write of ``x``, i.e. memory speed.
+* loop (other groups, e.g. 48, or a row longer than 16384 per token): one program per (row,
+  group), a loop of ``BLOCK`` columns for the amax and a second for the store, bounded
+  registers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 EPS = 1e-10  # floor of a group's amax: an all-zero group gets a finite scale
 TILE_ELEMENTS = 1024  # elements per program of the tile kernel (GROUPS = this // group)
+ROW_ELEMENTS = 16384  # longest row quantized per token in one pass (registers)
 
 
 def per_token_group_quant_ref(
@@ -149,9 +151,13 @@ def supports(x: torch.Tensor, group: int) -> bool:
     return triton is not None and _problem(x, group) is None
 
 
-def uses_tiles(group: int, k: int) -> bool:
-    """Whether the tile kernel runs (``group`` a power of 2 <= TILE_ELEMENTS, below K)."""
-    return group < k and group <= TILE_ELEMENTS and not group & (group - 1)
+def tile_group(group: int, k: int) -> int | None:
+    """The tile kernel's GROUP for these inputs, or None (the loop kernel runs): ``group``
+    itself when it is a power of 2 <= TILE_ELEMENTS below K; one per token (``group >= K``)
+    with K <= ROW_ELEMENTS: the whole row as one masked power-of-2 tile."""
+    if group >= k:
+        return triton.next_power_of_2(k) if k <= ROW_ELEMENTS else None
+    return group if group <= TILE_ELEMENTS and not group & (group - 1) else None
 
 
 def per_token_group_quant(
@@ -176,10 +182,12 @@ def per_token_group_quant(
     if m == 0:
         return q, s
     args = (x, q, s, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1))
-    if uses_tiles(group, k):
-        groups = max(1, min(TILE_ELEMENTS // group, triton.next_power_of_2(num_groups)))
+    tile = tile_group(group, k)
+    if tile is not None:
+        groups = max(1, min(TILE_ELEMENTS // tile, triton.next_power_of_2(num_groups)))
         grid = (m, triton.cdiv(num_groups, groups))
-        _group_quant_tile_kernel[grid](*args, GROUP=group, GROUPS=groups, num_warps=4,
+        warps = 4 if groups * tile <= 4096 else 8
+        _group_quant_tile_kernel[grid](*args, GROUP=tile, GROUPS=groups, num_warps=warps,
                                        **pdl_kwargs(x))  # fmt: skip
         return q, s
     block = min(triton.next_power_of_2(group), 1024)

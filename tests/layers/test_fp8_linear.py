@@ -49,11 +49,11 @@ def _weights(n, k, block, seed=0):
 
 def test_path_table_lookup_rounds_rows_up_to_the_measured_class(tmp_path):
     table = {"m_classes": [1, 16, 64, 2048], "shapes": {
-        "6144x4096": {"1": {"path": "gemv", "config": [16, 4, 6]}, "16": {"path": "cublaslt"},
+        "6144x4096": {"1": {"path": "gemv", "config": [16, 2, 4, 6]}, "16": {"path": "cublaslt"},
                       "2048": {"path": "triton", "config": {"BLOCK_M": 128}}}}}  # fmt: skip
     path = tmp_path / "paths.json"
     path.write_text(json.dumps(table))
-    assert fp8_paths.lookup(6144, 4096, 1, path) == fp8_paths.PathChoice("gemv", (16, 4, 6))
+    assert fp8_paths.lookup(6144, 4096, 1, path) == fp8_paths.PathChoice("gemv", (16, 2, 4, 6))
     assert fp8_paths.lookup(6144, 4096, 9, path).path == "cublaslt"
     assert fp8_paths.lookup(6144, 4096, 30, path) is None  # class 64 not measured
     assert fp8_paths.lookup(6144, 4096, 100000, path).config == {"BLOCK_M": 128}  # the last
