@@ -54,7 +54,10 @@ def _group_ok(group: int) -> bool:
 
 def norm_supports(x, weight, residual, group: int) -> bool:
     """Whether :func:`rms_norm_quant` takes these CUDA inputs (and the fused kernels are on)."""
-    if not fused_enabled() or triton is None or not x.is_cuda or not _group_ok(group):
+    per_token = x.dim() > 0 and group >= x.shape[-1]
+    if not fused_enabled() or triton is None or not x.is_cuda:
+        return False
+    if not (_group_ok(group) or per_token):
         return False
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -157,14 +160,16 @@ def rms_norm_quant(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm (after ``h = x + residual`` when given) quantized per token and ``group``:
     ``(q [T, H] fp8, scales [T, ceil(H / group)] column-major, new residual h or None)``.
+    ``group >= H`` is one scale per token (compressed-tensors' dynamic activations).
 
     Raises:
-        ValueError: inputs the fused RMSNorm does not take, or a ``group`` that is not a power
-            of 2 in [16, 1024].
+        ValueError: inputs the fused RMSNorm does not take, or a ``group`` below H that is not
+            a power of 2 in [16, 1024].
     """
     problem = fused_norm._problem(x, weight, residual)
-    if problem is None and not _group_ok(group):
-        problem = f"group={group} must be a power of 2 in [16, 1024]"
+    per_token = x.dim() == 2 and group >= x.shape[-1]
+    if problem is None and not (_group_ok(group) or per_token):
+        problem = f"group={group} must be a power of 2 in [16, 1024], or >= the hidden size"
     if problem is None and x.dim() != 2:
         problem = f"x must be [T, H], got {tuple(x.shape)}"
     if problem is not None:
@@ -172,18 +177,20 @@ def rms_norm_quant(
     t, hidden = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     q = torch.empty(t, hidden, dtype=FP8_DTYPE, device=x.device)
-    s = empty_scales(t, -(-hidden // group), True, x.device)
+    s = empty_scales(t, 1 if per_token else -(-hidden // group), True, x.device)
     new_res = None
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         new_res = torch.empty_like(x)
     if t > 0:
-        block = max(triton.next_power_of_2(hidden), group)
+        block = triton.next_power_of_2(hidden)
+        tile_group = block if per_token else group  # per token: the row is one masked group
+        block = max(block, tile_group)
         r, nr = (residual, new_res) if residual is not None else (x, x)
         _rms_norm_quant_kernel[(t,)](
             x, r, weight, q, s, nr, x.stride(0), r.stride(0), q.stride(0), s.stride(1),
             nr.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            GROUP=group, num_warps=fused_norm._num_warps(block), **pdl_kwargs(x),
+            GROUP=tile_group, num_warps=fused_norm._num_warps(block), **pdl_kwargs(x),
         )  # fmt: skip
     return q, s, new_res
 

@@ -193,7 +193,6 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path, path):
     0.982 on one prompt on the H200.)"""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    from hf_paged import LLM, SamplingParams
     from hf_paged.layers.quantization.fp8_checkpoints import load_finegrained_fp8
     from hf_paged.layers.quantization.w8a8_reference import fake_quant_activations
     from hf_paged.testing import save_tiny_model
@@ -206,11 +205,41 @@ def test_engine_on_a_tiny_fp8_checkpoint(tmp_path, path):
         dtype=torch.bfloat16, device_map="cuda",
     )  # fmt: skip
     assert fake_quant_activations(ref, 128) == 7 * ref.config.num_hidden_layers  # q k v o g u d
+    _check_engine(str(tmp_path / "q"), ref, path, group=128)
+
+
+def test_engine_on_a_tiny_compressed_tensors_checkpoint(tmp_path):
+    """compressed-tensors FP8-dynamic (per-channel weights, per-token activations: row-wise
+    ``torch._scaled_mm``, with RMSNorm quantizing per token in its launch) against the stock
+    model holding the dequantized weights with per-token fake-quantized inputs."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged.layers.quantization.fp8_checkpoints import save_compressed_tensors_fp8
+    from hf_paged.layers.quantization.w8a8_reference import fake_quant_activations
+    from hf_paged.testing import save_tiny_model
+
+    plain = save_tiny_model("llama", str(tmp_path / "p"), hidden_size=512, intermediate_size=1024,
+                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).eval()
+    dequantized = save_compressed_tensors_fp8(base, tmp_path / "q", "channel", dynamic=True)
+    with torch.no_grad():
+        for name, w in dequantized.items():
+            base.get_parameter(name).copy_(w)
+    base = base.to("cuda")
+    assert fake_quant_activations(base, None) == 7 * base.config.num_hidden_layers
+    _check_engine(str(tmp_path / "q"), base, "auto", group=512)
+
+
+def _check_engine(ckpt: str, ref, path: str, group: int) -> None:
+    """Top-20 next-token logprobs of the engine on ``ckpt`` against ``ref`` over 8 prompts:
+    centred cosine > 0.999, greedy token the reference's up to bf16 ties."""
+    from hf_paged import LLM, SamplingParams
+
     prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    with _forced(path), LLM(str(tmp_path / "q"), max_model_len=128, dtype="bfloat16") as llm:
+    with _forced(path), LLM(ckpt, max_model_len=128, dtype="bfloat16") as llm:
         layer = llm.engine.executor.runner.model.model.layers[0]
-        assert layer.input_layernorm.quant_group == layer.mlp.act_fn.quant_group == 128
+        assert layer.input_layernorm.quant_group == group  # the fused norm -> FP8 producer
         outs = llm.generate(prompts, params, use_tqdm=False)
     cosines = []
     for p, o in zip(prompts, outs):

@@ -2,7 +2,9 @@
 
 RMSNorm before q/k/v and gate/up, and SiLU-and-mul before down, can write their output straight
 as float8 values with per-token-group scales (``kernels/fp8_fused_quant.py``) when the next layer
-is a block-scaled FP8 linear: one kernel instead of a norm and a quantization pass. They hand
+is an FP8 linear with dynamic activations (block-scaled: groups of ``weight_block_size[1]``;
+row-wise, compressed-tensors: RMSNorm only, one scale per token): one kernel instead of a norm
+and a quantization pass. They hand
 the FP8 linear this object in place of a tensor; ``fp8_linear`` multiplies it as it is.
 """
 
@@ -20,7 +22,7 @@ class Fp8Activation:
     """Attributes:
     q: ``[T, K]`` float8_e4m3fn values.
     scale: ``[T, ceil(K / group)]`` fp32, column-major (strides ``(1, T)``, cuBLASLt's layout).
-    group: columns per scale (the consumer's ``weight_block_size[1]``).
+    group: columns per scale (the consumer's ``weight_block_size[1]``; >= K: one per token).
     dtype: the dtype the producer would have returned (the GEMM's output dtype).
     """
 

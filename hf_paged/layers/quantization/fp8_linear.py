@@ -230,7 +230,7 @@ PATHS = ("cublaslt", "triton", "gemv", "rowwise", "w8a8_ref", "dequant")
 
 
 def quantizes_activations(device: torch.device) -> bool:
-    """Whether block-scaled FP8 layers on ``device`` take per-token-group FP8 activations (every
+    """Whether FP8 layers with dynamic activations on ``device`` take FP8 activations (every
     path but "dequant" and "w8a8_ref"): then a producer may hand them an ``Fp8Activation``."""
     if envs.HF_PAGED_FP8_GEMM in ("w8a8_ref", "dequant"):
         return False
@@ -238,14 +238,15 @@ def quantizes_activations(device: torch.device) -> bool:
 
 
 def input_group(layer) -> int | None:
-    """The activation group a block-scaled FP8 layer quantizes its input in (its
-    ``weight_block_size[1]``), or None (plain, row-wise or static layers): what a producer
-    before it may quantize in."""
+    """The activation group an FP8 layer with dynamic activations quantizes its input in: its
+    ``weight_block_size[1]`` with block scales, its whole input (one scale per token) with
+    row-wise scales; None for plain layers and static activations. What a producer before it
+    may quantize in."""
     method = getattr(layer, "quant_method", None)
     cfg = getattr(method, "config", None)
-    if cfg is None or cfg.block is None or not cfg.dynamic:
+    if cfg is None or not cfg.dynamic:
         return None
-    return cfg.block[1]
+    return cfg.block[1] if cfg.block is not None else layer.input_size
 
 
 def _config(path: str, m: int, n: int, k: int):
@@ -277,8 +278,9 @@ def fp8_linear(
             f"an activation quantized in groups of {pre.group} reached a layer with "
             f"weight_block_size={tuple(block)}: the producer must use the consumer's group"
         )
-    if pre is not None and path in ("rowwise", "dequant"):  # these quantize (or not) themselves
-        x, pre = pre.dequantize(), None
+    per_token = pre is not None and pre.group >= k
+    if pre is not None and (path == "dequant" or (path == "rowwise" and not per_token)):
+        x, pre = pre.dequantize(), None  # these quantize (or not) themselves
     if path == "dequant":
         return torch.nn.functional.linear(x, fp8_gemm.dequantize_ref(weight, scale, block, x.dtype),
                                           bias)  # fmt: skip
@@ -286,6 +288,8 @@ def fp8_linear(
         x = pre.dequantize() if pre is not None else x
         return w8a8_linear_ref(x, weight, scale, block, input_scale, bias)
     if path == "rowwise":
+        if pre is not None:  # quantized per token by its producer
+            return fp8_gemm.w8a8_rowwise_matmul(pre.q, pre.scale, weight, scale, dtype, bias)
         x = x if x.stride(-1) == 1 else x.contiguous()
         if input_scale is not None:  # static: one scale for every token
             x_q = fp8_quant.static_quant_ref(x, input_scale)
