@@ -61,7 +61,7 @@ def norm_supports(x, weight, residual, group: int) -> bool:
         return False
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
         return False
-    return fused_norm._problem(x, weight, residual) is None and weight.dtype == x.dtype
+    return fused_norm.problem(x, weight, residual) is None and weight.dtype == x.dtype
 
 
 def act_supports(x, group: int) -> bool:
@@ -166,7 +166,7 @@ def rms_norm_quant(
         ValueError: inputs the fused RMSNorm does not take, or a ``group`` below H that is not
             a power of 2 in [16, 1024].
     """
-    problem = fused_norm._problem(x, weight, residual)
+    problem = fused_norm.problem(x, weight, residual)
     per_token = x.dim() == 2 and group >= x.shape[-1]
     if problem is None and not (_group_ok(group) or per_token):
         problem = f"group={group} must be a power of 2 in [16, 1024], or >= the hidden size"
@@ -190,7 +190,7 @@ def rms_norm_quant(
         _rms_norm_quant_kernel[(t,)](
             x, r, weight, q, s, nr, x.stride(0), r.stride(0), q.stride(0), s.stride(1),
             nr.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            GROUP=tile_group, num_warps=fused_norm._num_warps(block), **pdl_kwargs(x),
+            GROUP=tile_group, num_warps=fused_norm.num_warps(block), **pdl_kwargs(x),
         )  # fmt: skip
     return q, s, new_res
 
