@@ -5,28 +5,29 @@ saves it, quantizes it with transformers' own ``FineGrainedFP8Config`` (128 x 12
 loading it back, saves that FP8 checkpoint and the same weights as compressed-tensors
 FP8-dynamic (``fp8_checkpoints.save_compressed_tensors_fp8``), then measures (``--parts``):
 
-* ``w2``: W2 through ``LLM(<fine-grained FP8 dir>)`` (median of ``--repeats``), beside W2 on
-  the bf16 model in the same call, and stock HF ``generate`` on transformers' FP8 model (the
-  reference of ``logits``) on the first ``--stock-requests`` requests (throughput, and greedy
+* ``w2``: W2 through ``LLM(<fine-grained FP8 dir>)`` and on the bf16 model of the same weights,
+  alternating, each the median of ``--repeats``; with ``--stock-requests N`` also stock HF
+  ``generate`` on transformers' FP8 model on the first N requests (throughput, and greedy
   agreement with ours on them).
 * ``l1``: single-stream decode ms/token (512-token prompt, 256 new), FP8 and bf16, each the
   median of ``--repeats``.
 * ``logits``: next-token logits of ``generate(backend="paged", output_logits=True)`` on the
-  in-memory FP8 model against the same call on stock (``backend="hf"``: transformers' own FP8
-  forward) over 64 prompts: mean / min cosine. When transformers' FP8 forward cannot run (it
-  needs its ``finegrained-fp8`` hub kernel or DeepGEMM, not reachable from the GPU machine) the
-  reference is its dequantized model (``FineGrainedFP8Config(dequantize=True)``) and the row
-  says so (``reference``).
+  in-memory FP8 model against the W8A8 reference over 64 prompts: mean / min cosine. The
+  reference is transformers' dequantized model (``FineGrainedFP8Config(dequantize=True)``) with
+  every linear's input fake-quantized per token and 128-column group as our GEMMs quantize it
+  (``layers/quantization/w8a8_reference.fake_quant_activations``). The cosine against the same
+  model without the fake quantization (weight-only, W8A16) is recorded beside it.
 * ``ct``: W2 through ``LLM(<compressed-tensors dir>)`` (median of ``--repeats``).
 * ``kv``: W1 (Qwen3-0.6B, bf16) and W2 (FP8 weights) with ``kv_cache_dtype="fp8"`` against
   "auto": tok/s, KV capacity in tokens (blocks x block size), greedy agreement over the W1
   requests.
 
-Results: evaluation/results/fp8_<UTC>.json (token lists dropped). ``--sweep`` times the block
-GEMM's tile configs at 8B's shapes first (``kernels/fp8_gemm.py`` defaults are untuned).
+Results: ${OUT:-evaluation/results}/fp8_<UTC>.json (token lists dropped), written after every
+part. The GEMM paths per shape: ``evaluation/bench_fp8_gemm.py``.
 
-Usage (GPU, one device call, ~8-10 min): PYTHONUNBUFFERED=1 PYTHONPATH=. python
-evaluation/bench_fp8.py; split with ``--parts w2,l1,logits`` and ``--parts ct,kv``.
+Usage (GPU; each call under ~9 min, checkpoints written first, ~2 min):
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_fp8.py --parts w2,l1,logits
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_fp8.py --parts ct,kv --repeats 2
 Smoke (CPU, tiny model, 32 x 32 blocks): PYTHONPATH=. python evaluation/bench_fp8.py --smoke
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -52,10 +54,10 @@ from workloads import (  # noqa: E402
     free_memory,
     get_workload,
     log,
-    sync,
     utc_stamp,
 )
 
+from hf_paged import envs  # noqa: E402
 from hf_paged.layers.quantization.fp8_checkpoints import (  # noqa: E402
     load_finegrained_fp8,
     save_compressed_tensors_fp8,
@@ -123,24 +125,61 @@ def hf_fp8_reference(fp8_dir: str, device, dtype):
     return model.eval(), "transformers dequantized (FP8 forward unavailable)"
 
 
-def logits_cosine(fp8_model, ref, reference: str, prompts, device, ekw: dict) -> dict:
-    """Cosine of the next-token logits: ours (dispatcher on the in-memory FP8 model) vs ``ref``."""
+def w8a8_logits(fp8_model, fp8_dir: str, prompts, device, ekw: dict, group: int) -> dict:
+    """Cosine of the next-token logits: ours (dispatcher on the in-memory FP8 model) against
+    the W8A8 reference, and against the weight-only (W8A16) model (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
     import hf_paged
+    from hf_paged.layers.quantization.w8a8_reference import fake_quant_activations
 
     hf_paged.install()
-    cos = []
+    ref = AutoModelForCausalLM.from_pretrained(
+        fp8_dir, dtype=fp8_model.dtype, device_map=str(device),
+        quantization_config=FineGrainedFP8Config(dequantize=True),
+    ).eval()  # fmt: skip
+    ours, w8a16, w8a8 = [], [], []
     for p in prompts:
         ids = torch.tensor([p], device=device)
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
                   do_sample=False, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)  # fmt: skip
-        ours = fp8_model.generate(**kw, backend="paged", paged_config=ekw).logits[0][0].float()
+        ours.append(fp8_model.generate(**kw, backend="paged", paged_config=ekw).logits[0][0].float())
         with torch.no_grad():
-            theirs = ref(ids).logits[0, -1].float()
-        cos.append(torch.nn.functional.cosine_similarity(ours, theirs, dim=0).item())
-    log(f"logits vs {reference}: mean cosine {statistics.mean(cos):.5f}, min {min(cos):.5f}")
-    return {"reference": reference, "prompts": len(prompts), "mean_cosine": statistics.mean(cos),
-            "min_cosine": min(cos)}  # fmt: skip
+            w8a16.append(ref(ids).logits[0, -1].float())
+    hooked = fake_quant_activations(ref, group)
+    with torch.no_grad():
+        for p in prompts:
+            w8a8.append(ref(torch.tensor([p], device=device)).logits[0, -1].float())
+    del ref
+    cos = torch.nn.functional.cosine_similarity
+
+    def summary(theirs):
+        c = [cos(a, b, dim=0).item() for a, b in zip(ours, theirs)]
+        top = sum(int(a.argmax() == b.argmax()) for a, b in zip(ours, theirs))
+        return {"mean_cosine": statistics.mean(c), "min_cosine": min(c), "argmax_equal": top}
+
+    row = {"prompts": len(prompts), "hooked_linears": hooked,
+           "reference": f"transformers dequantized + fake_quant_activations(group {group})",
+           "vs_w8a8": summary(w8a8), "vs_w8a16": summary(w8a16)}  # fmt: skip
+    log(f"logits: vs W8A8 {row['vs_w8a8']}, vs W8A16 {row['vs_w8a16']}")
+    return row
+
+
+def alternate_runs(fp8_src, bf16_src, wl: Workload, ekw: dict, device, repeats: int):
+    """FP8 and bf16 W2 alternating (A/B/A/B...), so drift hits both; each the median row."""
+    rows = {"fp8": [], "bf16": []}
+    for _ in range(repeats):
+        rows["fp8"].append(run_llm(fp8_src, wl, ekw, device, system="llm"))
+        rows["bf16"].append(run_llm(bf16_src, wl, ekw, device, system="llm"))
+    out = []
+    for name, rs in rows.items():
+        rates = [r["tok_per_s"] for r in rs]
+        row = {**sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2], "system": f"llm_{name}",
+               "repeats_tok_per_s": rates}  # fmt: skip
+        log(f"llm_{name}: median {row['tok_per_s']:.0f} tok/s of {[round(r) for r in rates]}")
+        out.append(row)
+    return out[0], out[1]
 
 
 def kv_capacity(row: dict) -> int:
@@ -167,49 +206,14 @@ def prepare(args, device, root: Path):
     return model, str(fp8_dir), str(ct_dir), fp8
 
 
-def sweep_block_gemm(device) -> list[dict]:
-    """Tile configs of the block GEMM at 8B shapes, microseconds per call (CUDA only)."""
-    from hf_paged.kernels.fp8_gemm import w8a8_block_matmul
-    from hf_paged.kernels.fp8_quant import per_token_group_quant
-
-    rows = []
-    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s)
-               for bm in (16, 64) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4)]  # fmt: skip
-    for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (4096, 4096)):
-        w = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
-        ws = torch.rand(n // 128, k // 128, device=device)
-        for m in (1, 16, 256, 2048):
-            x_q, x_s = per_token_group_quant(
-                torch.randn(m, k, device=device, dtype=torch.bfloat16), 128
-            )
-            for cfg in configs:
-                if cfg["BLOCK_M"] > max(16, m):
-                    continue
-                try:
-                    args = (x_q, x_s, w, ws, (128, 128), torch.bfloat16)
-                    w8a8_block_matmul(*args, config=cfg)  # compile
-                    sync(device)
-                    t = time.perf_counter()
-                    for _ in range(20):
-                        w8a8_block_matmul(*args, config=cfg)
-                    sync(device)
-                    us = (time.perf_counter() - t) / 20 * 1e6
-                except Exception as e:  # noqa: BLE001 - a config that does not compile
-                    us = None
-                    log(f"sweep: {cfg} failed: {type(e).__name__}")
-                rows.append({"n": n, "k": k, "m": m, **cfg, "us": us,
-                             "tb_per_s": n * k / us / 1e6 if us else None})  # fmt: skip
-    return rows
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--stock-requests", type=int, default=16)
+    ap.add_argument("--stock-requests", type=int, default=0,
+                    help="also run stock generate on transformers' FP8 model on N requests")
     ap.add_argument("--logit-prompts", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, 8 requests")
-    ap.add_argument("--sweep", action="store_true", help="time block-GEMM tile configs first")
     ap.add_argument("--tmp-dir", default=None, help="where the checkpoints go (~35 GB for 8B)")
     args = ap.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
@@ -219,13 +223,13 @@ def main(argv=None) -> None:
     args.block = (32, 32) if args.smoke else (128, 128)
     device = torch.device("cpu" if args.smoke else "cuda")
     ekw = {"max_model_len": 2048} if not args.smoke else {"max_model_len": 256}
-    out = {"env": environment(), "parts": args.parts, "block": args.block, "results": {}}
+    out = {"env": environment(), "parts": args.parts, "block": args.block, "results": {},
+           "fp8_gemm": envs.HF_PAGED_FP8_GEMM}  # fmt: skip
     res = out["results"]
-    if args.sweep and device.type == "cuda":
-        res["block_gemm_sweep"] = sweep_block_gemm(device)
     w2 = get_workload("W2", smoke=args.smoke)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"fp8_{'smoke_' if args.smoke else ''}{utc_stamp()}.json"
+    out_dir = Path(os.environ.get("OUT") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"fp8_{'smoke_' if args.smoke else ''}{utc_stamp()}.json"
 
     def save(part: str) -> None:  # after every part: a run stopped by a time limit keeps them
         path.write_text(json.dumps(out, indent=1, default=str))
@@ -233,19 +237,21 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="hf_paged_fp8_", dir=args.tmp_dir) as tmp:
         model, fp8_dir, ct_dir, fp8 = prepare(args, device, Path(tmp))
-        ref = reference = None
-        if "w2" in args.parts or "logits" in args.parts:  # stock: transformers' FP8 model
-            ref, reference = hf_fp8_reference(fp8_dir, device, fp8.dtype)
-            out["stock_reference"] = reference
         if "w2" in args.parts:
-            ours = median_run(fp8_dir, w2, ekw, device, args.repeats, "llm_fp8")
-            bf16 = median_run(model, w2, ekw, device, 1, "llm_bf16")
-            stock = run_stock(ref, w2.head(args.stock_requests), args.stock_requests, device)
-            stock["reference"] = reference
-            k = args.stock_requests
-            res["w2"] = {"fp8": strip(ours), "bf16": strip(bf16), "stock_fp8": strip(stock),
-                         "agreement_fp8_vs_stock_fp8": agreement(stock["outputs"],
-                                                                 ours["outputs"][:k])}  # fmt: skip
+            ours, bf16 = alternate_runs(fp8_dir, model, w2, ekw, device, args.repeats)
+            res["w2"] = {"fp8": strip(ours), "bf16": strip(bf16),
+                         "fp8_over_bf16": ours["tok_per_s"] / bf16["tok_per_s"]}  # fmt: skip
+            log(f"w2: FP8 / bf16 = {res['w2']['fp8_over_bf16']:.2f}")
+            if args.stock_requests:  # stock: transformers' FP8 model (its forward, or dequantized)
+                ref, reference = hf_fp8_reference(fp8_dir, device, fp8.dtype)
+                k = args.stock_requests
+                stock = run_stock(ref, w2.head(k), k, device)
+                stock["reference"] = reference
+                res["w2"]["stock_fp8"] = strip(stock)
+                res["w2"]["agreement_fp8_vs_stock_fp8"] = agreement(stock["outputs"],
+                                                                    ours["outputs"][:k])  # fmt: skip
+                del ref
+                free_memory(device)
             save("w2")
         if "l1" in args.parts:
             n = 16 if args.smoke else 256
@@ -258,12 +264,13 @@ def main(argv=None) -> None:
             save("l1")
         if "logits" in args.parts:
             prompts = w2.prompts[: args.logit_prompts]
-            res["logits"] = logits_cosine(fp8, ref, reference, prompts, device, ekw)
+            res["logits"] = w8a8_logits(fp8, fp8_dir, prompts, device, ekw, args.block[1])
             save("logits")
-        del ref
-        free_memory(device)
+            free_memory(device)
         if "ct" in args.parts:
             res["ct_w2"] = strip(median_run(ct_dir, w2, ekw, device, args.repeats, "llm_ct"))
+            if "w2" in res:  # acceptance: within 10% of fine-grained FP8
+                res["ct_over_finegrained"] = res["ct_w2"]["tok_per_s"] / res["w2"]["fp8"]["tok_per_s"]
             save("ct")
         if "kv" in args.parts:
             kv = {}

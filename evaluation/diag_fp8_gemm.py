@@ -34,7 +34,7 @@ def main() -> None:
             kq, ks = per_token_group_quant(x, 128)
             qeq = (kq.float() == xq.float()).float().mean().item()
             print(
-                f"n={n} k={k} m={m} path={gemm_path(x, wq, bs)} rel_vs_w8a8ref={rel(out, ref):.2e} "
+                f"n={n} k={k} m={m} path={gemm_path(m, n, k, x.device, x.dtype, bs)} rel_vs_w8a8ref={rel(out, ref):.2e} "
                 f"rel_vs_w8a16={rel(out, a16):.2e} w8a8ref_vs_w8a16={rel(ref, a16):.2e} quant_eq={qeq:.4f} "
                 f"scale_eq={torch.allclose(ks, xs, rtol=1e-6)}"
             )

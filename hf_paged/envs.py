@@ -70,6 +70,20 @@ SWITCHES: dict[str, Switch] = {
             "0 = every linear layer on cuBLAS.",
         ),
         Switch(
+            "HF_PAGED_FP8_GEMM",
+            "auto",
+            "The GEMM of FP8 linear layers (``layers/quantization/fp8_linear.py``). 'auto' = "
+            "per weight shape and row count from the measured table (``kernels/fp8_paths.json``"
+            ") on CUDA devices with FP8 (compute capability 8.9+), else 'dequant'. A named "
+            "path runs wherever it takes the layer's shapes and device (else 'auto' decides): "
+            "'cublaslt' (block-wise F.scaled_mm), 'triton' (block GEMM), 'gemv' (decode rows), "
+            "'w8a8_ref' (the fp32 W8A8 reference, any device), 'dequant' (weights dequantized "
+            "per call, then the model-dtype GEMM: what transformers runs without FP8 GEMMs). "
+            "Row-wise checkpoints (compressed-tensors) use torch._scaled_mm for every path but "
+            "'w8a8_ref' and 'dequant'.",
+            choices=("auto", "cublaslt", "triton", "gemv", "w8a8_ref", "dequant"),
+        ),
+        Switch(
             "HF_PAGED_ARGMAX",
             True,
             "The Triton row-wise argmax for greedy sampling on CUDA (``kernels/argmax.py``). "

@@ -10,6 +10,9 @@ Weights are float8_e4m3fn ``[N, K]`` whose float32 scales multiply them back:
 * row-wise scales ``w_s [N, 1]`` (per channel; per tensor is the same value in every row) with
   activations per token (``x_s [M, 1]``): ``torch._scaled_mm`` (cuBLASLt, Hopper / Ada).
 
+The block kernel takes activation scales of any strides, so the column-major scales written for
+cuBLASLt's block-wise GEMM (``fp8_scaled_mm.py``) serve it too.
+
 The references dequantize in fp32 and multiply; ``dequantize_ref`` is also what the layers run
 on devices without FP8 GEMMs (and equals transformers' own ``Fp8Dequantize``).
 """
@@ -73,7 +76,7 @@ def w8a8_matmul_ref(
 if triton is not None:
     from hf_paged.kernels.pdl import pdl_enter
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit(do_not_specialize=["M", "stride_asg"])
     def _block_fp8_gemm_kernel(
         a_ptr,  # [M, K] fp8
         b_ptr,  # [N, K] fp8
@@ -88,6 +91,7 @@ if triton is not None:
         stride_bn,
         stride_cm,
         stride_asm,
+        stride_asg,  # 1 for row-major scales, M for column-major (cuBLASLt's layout)
         stride_bsn,
         GROUP_N: tl.constexpr,
         GROUP_K: tl.constexpr,
@@ -122,7 +126,7 @@ if triton is not None:
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             g = k0 // GROUP_K
-            a_s = tl.load(as_ptrs + g, mask=m_ok, other=0.0)
+            a_s = tl.load(as_ptrs + g * stride_asg, mask=m_ok, other=0.0)
             b_s = tl.load(bs_ptrs + g, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K
@@ -134,9 +138,9 @@ if triton is not None:
 
 
 def block_gemm_config(m: int, n: int, group_k: int) -> dict:
-    """Tiles by row count (untuned defaults; ``evaluation/bench_fp8.py --sweep`` measures them on
-    the GPU). Decode: 16-row tiles and narrow N tiles, so that N / BLOCK_N programs fill the
-    SMs; prefill: 64 x 128 tiles."""
+    """Tiles by row count, where the path table (``kernels/fp8_paths.json``, written by
+    ``evaluation/bench_fp8_gemm.py``) names none for the shape. Decode: 16-row tiles and narrow
+    N tiles, so that N / BLOCK_N programs fill the SMs; prefill: 64 x 128 tiles."""
     block_k = min(group_k, 128)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=4)
@@ -190,7 +194,8 @@ def w8a8_block_matmul(
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _block_fp8_gemm_kernel[grid](
         x_q, weight, out, x_s, w_s, bias if bias is not None else out,
-        m, n, k, x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), w_s.stride(0),
+        m, n, k, x_q.stride(0), weight.stride(0), out.stride(0), x_s.stride(0), x_s.stride(1),
+        w_s.stride(0),
         GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None, **cfg, **pdl_kwargs(x_q),
     )  # fmt: skip
     return out

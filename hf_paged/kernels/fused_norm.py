@@ -58,6 +58,12 @@ def _problem(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     return None
 
 
+def problem(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> str | None:
+    """Why the kernels cannot take these inputs (device aside), or None (public: the FP8
+    producers in ``fp8_fused_quant`` share the rules)."""
+    return _problem(x, weight, residual)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether to dispatch to the Triton kernels: triton installed, CUDA tensors they take."""
     if not fused_enabled():
@@ -114,7 +120,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _num_warps(block: int) -> int:
+def num_warps(block: int) -> int:
+    """Warps for one row of ``block`` elements (also the FP8 producers' choice)."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
@@ -148,7 +155,7 @@ def _launch(x, residual, weight, eps):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=_num_warps(block),
+            num_warps=num_warps(block),
             **pdl_kwargs(x2),
         )
     return out, new_res

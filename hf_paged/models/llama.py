@@ -36,6 +36,7 @@ from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from hf_paged.layers.quantization.fp8_config import fp8_config_of, layer_quant
+from hf_paged.layers.quantization.fp8_linear import input_group
 from hf_paged.layers.rotary import RotaryEmbedding
 from hf_paged.models import loader
 
@@ -136,7 +137,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, hf_config.hidden_size, bias=opts.mlp_bias, comm=ctx.comm, quant=down
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(quant_group=input_group(self.down_proj))  # FP8: fused quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -148,8 +149,13 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(hf_config, opts, layer_idx, ctx)
         self.mlp = LlamaMLP(hf_config, opts, ctx, layer_idx)
         eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        # before block-scaled FP8 q/k/v and gate/up the norms write FP8 themselves (fused quant)
+        qkv_group = input_group(self.self_attn.qkv_proj)
+        gate_up_group = input_group(self.mlp.gate_up_proj)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps, quant_group=qkv_group)
+        self.post_attention_layernorm = RMSNorm(
+            hf_config.hidden_size, eps=eps, quant_group=gate_up_group
+        )
 
     def forward(
         self,

@@ -14,6 +14,7 @@ EXPECTED_DEFAULTS = {
     "HF_PAGED_BACKEND": "hf",
     "HF_PAGED_FUSED": True,
     "HF_PAGED_SKINNY_GEMM": True,
+    "HF_PAGED_FP8_GEMM": "auto",
     "HF_PAGED_ARGMAX": True,
     "HF_PAGED_TOKEN_SCORES": True,
     "HF_PAGED_PDL": True,

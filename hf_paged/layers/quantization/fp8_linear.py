@@ -14,11 +14,16 @@ and divide it by the block size, so a 128-row block belongs to the rank holding 
 split that cuts a block (rows per rank or per fused shard not a multiple of ``bn``, columns per
 rank not a multiple of ``bk``) is refused by name when the layer is built.
 
-The GEMM (:func:`fp8_linear`): on CUDA with compute capability >= 8.9, the activation is
-quantized per token (per group of ``bk`` with block scales; ``kernels/fp8_quant.py``) and
-multiplied by the Triton block kernel or ``torch._scaled_mm`` (``kernels/fp8_gemm.py``).
-Elsewhere the reference: the weight dequantized for the call, then the model-dtype GEMM, which
-is what transformers runs on such devices (it dequantizes the checkpoint at load).
+The GEMM (:func:`fp8_linear`, path by :func:`gemm_path`): on CUDA with compute capability
+>= 8.9, the activation is quantized per token (per group of ``bk`` with block scales, scales
+column-major; ``kernels/fp8_quant.py``), unless its producer handed it over quantized
+(``Fp8Activation``), and multiplied by the path the measured table picks for the shape and row
+count (``kernels/fp8_paths.json``): cuBLASLt block-wise (``kernels/fp8_scaled_mm.py``), the
+Triton block kernel (``kernels/fp8_gemm.py``) or the decode GEMV (``kernels/fp8_gemv.py``);
+row-wise scales (compressed-tensors) go through ``torch._scaled_mm``. Every path computes the
+W8A8 reference (``w8a8_reference.py``) up to summation order and output rounding. Elsewhere
+"dequant": the weight dequantized for the call, then the model-dtype GEMM, which is what
+transformers runs on such devices (it dequantizes the checkpoint at load).
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_paged.kernels import fp8_gemm, fp8_quant
+from hf_paged import envs
+from hf_paged.kernels import fp8_gemm, fp8_gemv, fp8_paths, fp8_quant, fp8_scaled_mm
+from hf_paged.layers.quantization.fp8_activation import Fp8Activation
 from hf_paged.layers.quantization.fp8_config import Fp8Config
+from hf_paged.layers.quantization.w8a8_reference import w8a8_linear_ref
 from hf_paged.layers.shard import check_shape, read_shard
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -166,39 +174,138 @@ def _fp8_gemm_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def gemm_path(x: torch.Tensor, weight: torch.Tensor, block) -> str:
-    """Which GEMM :func:`fp8_linear` runs: "block" (Triton), "rowwise" (``_scaled_mm``) or
-    "reference" (dequantize, then the model-dtype GEMM)."""
-    if not x.is_cuda or fp8_gemm.triton is None or not _fp8_gemm_device(x.device.index or 0):
-        return "reference"
-    if block is not None:
-        bk = block[1]
-        return "block" if bk >= 16 and not bk & (bk - 1) else "reference"
-    if x.dtype != torch.bfloat16 or fp8_gemm.scaled_mm_problem(x, weight) is not None:
-        return "reference"
-    return "rowwise"
+def _gpu_fp8(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and fp8_gemm.triton is not None
+        and _fp8_gemm_device(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+    )
+
+
+def _block_path_ok(path: str, m: int, n: int, k: int, device, dtype, block) -> bool:
+    """Whether block-scale path ``path`` takes these shapes on this device."""
+    if path == "cublaslt":
+        return (
+            fp8_scaled_mm.available()
+            and fp8_scaled_mm.device_ok(device)
+            and fp8_scaled_mm.shape_problem(n, k, block, dtype) is None
+        )
+    if path == "gemv":
+        return 0 < m <= fp8_gemv.MAX_ROWS
+    return path == "triton"
+
+
+def gemm_path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, block) -> str:
+    """Which GEMM :func:`fp8_linear` runs for ``m`` rows of a ``[n, k]`` weight: one of
+    ``PATHS``. ``HF_PAGED_FP8_GEMM`` (``hf_paged/envs.py``) may name one; otherwise, on CUDA
+    with FP8 GEMMs, block-scaled weights take the measured choice of ``kernels/fp8_paths.json``
+    (default: "cublaslt" where it takes the shape, else "triton"), row-wise ones "rowwise"."""
+    forced = envs.HF_PAGED_FP8_GEMM
+    if forced in ("w8a8_ref", "dequant"):
+        return forced
+    return _path(m, n, k, device, dtype, None if block is None else tuple(block), forced)
+
+
+@functools.lru_cache(maxsize=8192)  # host cost per call: one dict lookup (prefill runs eagerly)
+def _path(m: int, n: int, k: int, device: torch.device, dtype, block, forced: str) -> str:
+    if not _gpu_fp8(device):
+        return "dequant"
+    if block is None:
+        rowwise = dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+        return "rowwise" if rowwise else "dequant"
+    bk = block[1]
+    if bk < 16 or bk & (bk - 1):
+        return "dequant"
+    if forced != "auto" and _block_path_ok(forced, m, n, k, device, dtype, block):
+        return forced
+    choice = fp8_paths.lookup(n, k, m)
+    if choice is not None and _block_path_ok(choice.path, m, n, k, device, dtype, block):
+        return choice.path
+    return "cublaslt" if _block_path_ok("cublaslt", m, n, k, device, dtype, block) else "triton"
+
+
+PATHS = ("cublaslt", "triton", "gemv", "rowwise", "w8a8_ref", "dequant")
+
+
+def quantizes_activations(device: torch.device) -> bool:
+    """Whether FP8 layers with dynamic activations on ``device`` take FP8 activations (every
+    path but "dequant" and "w8a8_ref"): then a producer may hand them an ``Fp8Activation``."""
+    if envs.HF_PAGED_FP8_GEMM in ("w8a8_ref", "dequant"):
+        return False
+    return _gpu_fp8(device)
+
+
+def input_group(layer) -> int | None:
+    """The activation group an FP8 layer with dynamic activations quantizes its input in: its
+    ``weight_block_size[1]`` with block scales, its whole input (one scale per token) with
+    row-wise scales; None for plain layers and static activations. What a producer before it
+    may quantize in."""
+    method = getattr(layer, "quant_method", None)
+    cfg = getattr(method, "config", None)
+    if cfg is None or not cfg.dynamic:
+        return None
+    return cfg.block[1] if cfg.block is not None else layer.input_size
+
+
+def _config(path: str, m: int, n: int, k: int):
+    choice = fp8_paths.lookup(n, k, m)
+    return choice.config if choice is not None and choice.path == path else None
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [T, K]
+    x: torch.Tensor | Fp8Activation,  # [T, K]
     weight: torch.Tensor,  # [N, K] fp8
     scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)] or rows [N, 1], fp32
     block: tuple[int, int] | None,
     input_scale: torch.Tensor | None = None,  # [1]: static per-tensor activations
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [T, N] in x's dtype
-    """``x @ dequant(weight).T + bias`` through the path ``gemm_path`` picks."""
-    path = gemm_path(x, weight, block)
-    if path == "reference":
+    """``x @ dequant(weight).T + bias`` through the path :func:`gemm_path` picks. ``x`` may
+    come quantized already (``Fp8Activation`` with groups of ``block[1]``).
+
+    Raises:
+        ValueError: an ``Fp8Activation`` whose group is not the layer's ``block[1]``.
+    """
+    pre = x if isinstance(x, Fp8Activation) else None
+    m, k = x.shape
+    n = weight.shape[0]
+    dtype = pre.dtype if pre is not None else x.dtype
+    path = gemm_path(m, n, k, x.device, dtype, block)
+    if pre is not None and block is not None and pre.group != block[1]:
+        raise ValueError(
+            f"an activation quantized in groups of {pre.group} reached a layer with "
+            f"weight_block_size={tuple(block)}: the producer must use the consumer's group"
+        )
+    per_token = pre is not None and pre.group >= k
+    if pre is not None and (path == "dequant" or (path == "rowwise" and not per_token)):
+        x, pre = pre.dequantize(), None  # these quantize (or not) themselves
+    if path == "dequant":
         return torch.nn.functional.linear(x, fp8_gemm.dequantize_ref(weight, scale, block, x.dtype),
                                           bias)  # fmt: skip
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if path == "block":
-        x_q, x_s = fp8_quant.per_token_group_quant(x, block[1])
-        return fp8_gemm.w8a8_block_matmul(x_q, x_s, weight, scale, block, x.dtype, bias)
-    if input_scale is not None:  # static: one scale for every token
-        x_q = fp8_quant.static_quant_ref(x, input_scale)
-        x_s = input_scale.view(1, 1).expand(x.shape[0], 1).contiguous()
+    if path == "w8a8_ref":
+        x = pre.dequantize() if pre is not None else x
+        return w8a8_linear_ref(x, weight, scale, block, input_scale, bias)
+    if path == "rowwise":
+        if pre is not None:  # quantized per token by its producer
+            return fp8_gemm.w8a8_rowwise_matmul(pre.q, pre.scale, weight, scale, dtype, bias)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if input_scale is not None:  # static: one scale for every token
+            x_q = fp8_quant.static_quant_ref(x, input_scale)
+            x_s = input_scale.view(1, 1).expand(x.shape[0], 1).contiguous()
+        else:
+            x_q, x_s = fp8_quant.per_token_group_quant(x, x.shape[1])
+        return fp8_gemm.w8a8_rowwise_matmul(x_q, x_s, weight, scale, x.dtype, bias)
+    if pre is not None:
+        x_q, x_s = pre.q, pre.scale
     else:
-        x_q, x_s = fp8_quant.per_token_group_quant(x, x.shape[1])
-    return fp8_gemm.w8a8_rowwise_matmul(x_q, x_s, weight, scale, x.dtype, bias)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        x_q, x_s = fp8_quant.per_token_group_quant(x, block[1], column_major=True)
+    if path == "cublaslt":
+        return fp8_scaled_mm.block_scaled_mm(x_q, x_s, weight, scale, dtype, bias)
+    if path == "gemv":
+        return fp8_gemv.fp8_gemv(x_q, x_s, weight, scale, block, dtype, bias,
+                                 config=_config("gemv", m, n, k))  # fmt: skip
+    return fp8_gemm.w8a8_block_matmul(x_q, x_s, weight, scale, block, dtype, bias,
+                                      config=_config("triton", m, n, k))  # fmt: skip
