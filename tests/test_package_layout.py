@@ -140,7 +140,7 @@ def test_a_cycle_is_found():
     [
         "import hf_paged.engine.scheduler, hf_paged.engine.block_manager",
         "import hf_paged",
-        "from hf_paged.cli import build_parser; build_parser().format_help()",
+        "from hf_paged.entrypoints.cli import build_parser; build_parser().format_help()",
     ],
     ids=["pure-python-core", "import-hf_paged", "cli-help"],
 )
@@ -215,10 +215,10 @@ def test_an_imported_test_module_is_found():
     sources = [
         "from tests.engine import test_engine_parity as parity",
         "from tests.engine.test_engine_parity import hf_greedy",
-        "def f():\n    import tests.hf.conftest",
+        "def f():\n    import tests.integration.conftest",
     ]
     for source in sources:
         assert any(_is_test_module(p) for p in _imported_tests_files(source)), source
-    helper = _imported_tests_files("from tests.hf.fake_engine import FakeEngine")
-    assert helper == {TESTS / "hf" / "fake_engine.py"}
-    assert not _is_test_module(TESTS / "hf" / "fake_engine.py")
+    helper = _imported_tests_files("from tests.integration.fake_engine import FakeEngine")
+    assert helper == {TESTS / "integration" / "fake_engine.py"}
+    assert not _is_test_module(TESTS / "integration" / "fake_engine.py")
