@@ -109,9 +109,9 @@ class PagedGenerateMap:
         if tokenizer is None:
             raise ValueError("tokenizer=None is not allowed here: pass the model's tokenizer")
         if not self._paged:
-            fb = servable.precheck(model, {}, {})
-            if fb is not None:
-                raise ValueError(f"this model can't run on the paged engine: {fb.detail}")
+            refusal = servable.precheck(model, {}, {})
+            if refusal is not None:
+                raise ValueError(f"this model can't run on the paged engine: {refusal.detail}")
         self.tokenizer = tokenizer
         self.column = column
         self.output_column = output_column

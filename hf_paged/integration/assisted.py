@@ -119,9 +119,9 @@ def draft_proposer(plan: SpecPlan, assistant, engine, hold_engine=None):
     from hf_paged.integration import servable
 
     if isinstance(assistant, torch.nn.Module):
-        fb = servable.model_reason(assistant)
-        if fb is not None:
-            raise PagedFallback(f"assistant_{fb.reason}", f"the assistant: {fb.detail}")
+        refusal = servable.model_refusal(assistant)
+        if refusal is not None:
+            raise PagedFallback.of(refusal.renamed("assistant_", "the assistant: "))
         if hold_engine is None:
             raise PagedFallback("assistant_model", "this caller holds no engine for an HF model")
         held = hold_engine(assistant)

@@ -193,7 +193,7 @@ def test_alibi_refused_without_an_adapter():
     assert static_reason(falcon) is None
     gpt2 = shrink_config(CONFIG_MAPPING["gpt2"]())
     gpt2.alibi = True
-    assert "ALiBi position biases (alibi=True)" in static_reason(gpt2)
+    assert "ALiBi position biases (alibi=True)" in static_reason(gpt2).detail
 
 
 def test_layer_sub_configs_are_text_models():

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 def _reason(model) -> str | None:
     from hf_paged.models.generic.adapters._bert_style import bidirectional_reason
 
-    return bidirectional_reason(type(model.base_model))
+    refusal = bidirectional_reason(type(model.base_model))
+    return None if refusal is None else refusal.detail
 
 
 @pytest.mark.parametrize(("model_type", "overrides"), SERVED)
