@@ -36,8 +36,10 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_paged.engine.request import budget
-from hf_paged.integration import dispatch, paged_call, servable
+from hf_paged.integration import dispatch, servable
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.plan import PlanCache
+from hf_paged.integration.route import Beams, External, Native, route
 
 
 def paged_generate_map(
@@ -169,10 +171,10 @@ class PagedGenerateMap:
 
     def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
         engine = self._engine()
-        plans = paged_call.PlanCache()  # rows with the same options are prepared once
+        plans = PlanCache()  # rows with the same options are prepared once
         try:
             calls = [
-                paged_call.plan_generate(self._prep_model(), engine.runtime, self._kwargs(p), plans)
+                route(self._prep_model(), self._kwargs(p), lambda: engine.runtime, cache=plans)
                 for p in prompts
             ]
         except PagedFallback as fb:
@@ -184,7 +186,7 @@ class PagedGenerateMap:
                 f"num_return_sequences={self.generate_kwargs.get('num_return_sequences')} is not "
                 "allowed: paged_generate_map writes one generation per row"
             )
-        if not all(isinstance(c, paged_call.NativeCall) for c in calls):
+        if not all(isinstance(c, Native) for c in calls):
             # a call that observes steps (streamer, scores) samples outside the engine
             return self._generate_padded(prompts)
         # one request per row, seeded as generate() seeds them
@@ -245,11 +247,11 @@ class PagedGenerateMap:
         return (_unpicklable, (self._token,))
 
 
-def _generations_per_row(call) -> int:
+def _generations_per_row(way: Native | External | Beams) -> int:
     """Outputs one row's ``generate`` call returns (a beam call's rows are its beams)."""
-    if isinstance(call, paged_call.PreparedCall):
-        return call.generation_config.num_return_sequences
-    return call.input_ids.shape[0]
+    if isinstance(way, Native):
+        return way.input_ids.shape[0]
+    return way.call.generation_config.num_return_sequences
 
 
 def _unpicklable(token: str):

@@ -15,8 +15,9 @@ from transformers.generation.utils import GenerationMixin
 from hf_paged.config import EngineConfig
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
-from hf_paged.integration.plan import native_plan, plan_native
+from hf_paged.integration.plan import NativePlan, native_plan
 from hf_paged.integration.prepare import prepare_call
+from hf_paged.refusal import Refusal
 from hf_paged.testing import build_hf_model, left_pad, make_prompts
 from tests.integration.fake_engine import FakeEngine
 
@@ -229,7 +230,9 @@ def test_deepcopy_starts_without_engine(llama, factory_calls):
 def _plan(model, **kw):
     ids, mask = left_pad(make_prompts([3, 5], seed=2))
     call = prepare_call(model, input_ids=ids, attention_mask=mask, **kw)
-    return call, None if call.observed else native_plan(call, 256)
+    plan = native_plan(call, 256)
+    assert isinstance(plan, Refusal) or not call.observed  # an observed call samples outside
+    return call, None if isinstance(plan, Refusal) else plan
 
 
 def test_mapping_greedy_defaults(llama):
@@ -295,7 +298,7 @@ def test_mapping_stop_strings(llama):
     assert plan is None
 
 
-def test_plan_native_rejects_unknown_and_right_semantics():
+def test_native_plan_from_processors_refuses_unknown_and_right_semantics():
     from transformers.generation.logits_process import (
         RepetitionPenaltyLogitsProcessor,
         TopKLogitsWarper,
@@ -304,10 +307,11 @@ def test_plan_native_rejects_unknown_and_right_semantics():
 
     crit = [MaxLengthCriteria(10)]
     kw = dict(do_sample=True, input_length=4, vocab_size=256, left_padded=True)
-    plan, why = plan_native([TopKLogitsWarper(5, min_tokens_to_keep=2)], crit, **kw)
-    assert plan is None and "min_tokens_to_keep" in why
-    plan, why = plan_native([RepetitionPenaltyLogitsProcessor(1.2)], crit,
-                            **dict(kw, left_padded=False))  # fmt: skip
-    assert plan is None and "left padded" in why
-    assert plan_native([TopKLogitsWarper(300)], crit, **kw)[0].top_k == -1  # >= vocab: off
-    assert plan_native([], crit, **dict(kw, input_length=10))[0].max_tokens == 1  # like stock
+    plan = NativePlan.from_processors([TopKLogitsWarper(5, min_tokens_to_keep=2)], crit, **kw)
+    assert isinstance(plan, Refusal) and "min_tokens_to_keep" in plan.detail
+    plan = NativePlan.from_processors([RepetitionPenaltyLogitsProcessor(1.2)], crit,
+                                      **dict(kw, left_padded=False))  # fmt: skip
+    assert isinstance(plan, Refusal) and "left padded" in plan.detail
+    assert NativePlan.from_processors([TopKLogitsWarper(300)], crit, **kw).top_k == -1  # off
+    plan = NativePlan.from_processors([], crit, **dict(kw, input_length=10))
+    assert plan.max_tokens == 1  # like stock
