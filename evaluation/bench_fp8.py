@@ -35,16 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import agreement, run_llm, run_stock  # noqa: E402
-from workloads import (  # noqa: E402
+from hf_paged.benchmarks.runners import agreement, run_llm, run_stock  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     Workload,
     build_random_model,
@@ -55,7 +53,6 @@ from workloads import (  # noqa: E402
     sync,
     utc_stamp,
 )
-
 from hf_paged.layers.quantization.fp8_checkpoints import (  # noqa: E402
     load_finegrained_fp8,
     save_compressed_tensors_fp8,

@@ -1,12 +1,13 @@
-"""``hf-paged bench``: a W1-like workload (random prompts, random output lengths, EOS ignored,
-greedy) through stock ``generate`` on padded batches and through ``LLM``; tok/s and the ratio."""
+"""``hf-paged bench``: a W1-like workload (W1's draw of random prompts and output lengths, EOS
+ignored, greedy) through stock ``generate`` on padded batches and through ``LLM``, with the
+runners ``evaluation/`` uses (``hf_paged.benchmarks``); tok/s and the ratio."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import random
-import time
+import sys
 
 from hf_paged.entrypoints.cli.options import add_engine_options, check_model_path, engine_kwargs
 
@@ -27,83 +28,39 @@ def add_parser(sub) -> None:
     b.set_defaults(handler=cmd_bench, command_parser=b)
 
 
-def _workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """W1's shape, scaled: random prompt ids < min(10000, vocab) (skipping the first 4, which
-    are often special), random prompt and output lengths."""
-    rng = random.Random(args.seed)
-    hi = min(10000, vocab_size)
-    prompts = [
-        [rng.randrange(4, hi) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
-        for _ in range(args.num_requests)
-    ]
-    outputs = [
-        rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)
-    ]
-    return prompts, outputs
+def _workload(args: argparse.Namespace, vocab_size: int):
+    """W1's draw (``benchmarks.workloads.make_requests``), scaled: prompt ids below
+    min(10000, vocab), prompt and output lengths from the command line."""
+    from hf_paged.benchmarks.workloads import Workload, make_requests
+
+    prompts, outputs = make_requests(
+        args.num_requests,
+        (args.min_input_len, args.max_input_len),
+        (args.min_output_len, args.max_output_len),
+        vocab_limit=min(10000, vocab_size),
+        seed=args.seed,
+    )
+    return Workload("cli", args.model_path, prompts, outputs)
 
 
-def _bench_hf(path: str, prompts, out_lens, batch_size: int, device: str, dtype) -> float:
+def _bench_hf(path: str, wl, batch_size: int, device: str, dtype) -> float:
     """Stock generate on left-padded batches, each row stopped at its own length; seconds."""
-    import copy
+    from transformers import AutoModelForCausalLM
 
-    import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria
-
-    class RowLengths(StoppingCriteria):
-        def __init__(self, ends):
-            self.ends = ends  # [B] total length at which each row is done
-
-        def __call__(self, input_ids, scores, **kwargs):
-            return input_ids.shape[1] >= self.ends
+    from hf_paged.benchmarks.runners import run_stock
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     # EOS ignored: unset on this private copy of the model too, or generate fills it back in
     model.generation_config.eos_token_id = model.config.eos_token_id = None
-    gen = copy.deepcopy(model.generation_config)
-    gen.do_sample = False
-    gen.pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else 0
-
-    def run(ps, lens):
-        width = max(len(p) for p in ps)
-        ids = torch.tensor([[gen.pad_token_id] * (width - len(p)) + p for p in ps], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
-        ends = torch.tensor([width + n for n in lens], device=device)
-        call_gen = copy.copy(gen)
-        call_gen.max_new_tokens = max(lens)
-        model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=call_gen,
-            stopping_criteria=[RowLengths(ends)],
-        )  # fmt: skip
-
-    run(prompts[:1], [2])  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        run(prompts[i : i + batch_size], out_lens[i : i + batch_size])
-    _sync(device)
-    return time.perf_counter() - start  # the model is freed on return
+    return run_stock(model, wl, batch_size, device)["wall_s"]  # the model is freed on return
 
 
-def _bench_paged(path: str, prompts, out_lens, engine_kwargs: dict) -> tuple[float, str, object]:
-    """``LLM`` on all requests at once; ``(seconds, device, dtype)``."""
-    from hf_paged import LLM, SamplingParams
+def _bench_paged(path: str, wl, engine_kwargs: dict, device: str) -> tuple[float, str, str]:
+    """``LLM`` on all requests at once; ``(seconds, device, dtype)`` of the engine."""
+    from hf_paged.benchmarks.runners import run_llm
 
-    with LLM(path, **engine_kwargs) as llm:
-        device, dtype = llm.engine.runtime.device, llm.engine.runtime.dtype
-        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-        _sync(device)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
-        return time.perf_counter() - start, device, dtype
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
+    row = run_llm(path, wl, engine_kwargs, device)
+    return row["wall_s"], row["device"], row["dtype"]
 
 
 def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -129,23 +86,20 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineConfig.from_dict(engine_kwargs(args))
     except (TypeError, ValueError) as e:
         parser.error(str(e))
+    import torch
+
     vocab = AutoConfig.from_pretrained(args.model_path).vocab_size
-    prompts, out_lens = _workload(args, vocab)
-    total = sum(out_lens)
+    wl = _workload(args, vocab)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # the engine goes second: on a GPU its KV cache takes the memory the HF model had
     rows = []
-    if not args.skip_hf:
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = None if (args.dtype or "auto") == "auto" else getattr(torch, args.dtype)
-        hf_s = _bench_hf(args.model_path, prompts, out_lens, args.hf_batch_size, device, dtype)
-        rows.append(("hf", hf_s))
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    paged_s, device, dtype = _bench_paged(args.model_path, prompts, out_lens, engine_kwargs(args))
+    with contextlib.redirect_stdout(sys.stderr):  # the runners' progress lines; stdout: results
+        if not args.skip_hf:
+            dtype = None if (args.dtype or "auto") == "auto" else getattr(torch, args.dtype)
+            rows.append(("hf", _bench_hf(args.model_path, wl, args.hf_batch_size, device, dtype)))
+        paged_s, device, dtype = _bench_paged(args.model_path, wl, engine_kwargs(args), device)
     rows.append(("paged", paged_s))
-    _print_bench(rows, total, len(prompts), device, dtype, args.json)
+    _print_bench(rows, wl.num_output_tokens, wl.num_requests, device, dtype, args.json)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Benchmark workloads (evaluation/README.md, "Workloads"): request sets, model architectures
-with random weights, and the environment record every result file carries.
+with random weights, and the environment record every result file carries. ``evaluation/``'s
+scripts and ``hf-paged bench`` draw their requests here.
 
 * W1 / W2: 256 requests, prompt lengths U[100, 1024], output lengths U[100, 1024], prompt token
   ids U[0, 10000), ``random.Random(0)``: first every prompt (length, then its ids), then every
@@ -34,7 +35,8 @@ import torch
 
 from hf_paged import envs
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# evaluation/results of the checkout this package sits in (scripts write there by default)
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "evaluation" / "results"
 _T0 = time.perf_counter()
 
 
