@@ -164,7 +164,7 @@ def test_run_script_path(monkeypatch, capsys):
     monkeypatch.setenv(dispatch.ENV_VAR, "hf")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    script = os.path.join(REPO, "tests", "cli", "pipe_run_target.py")
+    script = os.path.join(REPO, "tests", "entrypoints", "cli", "pipe_run_target.py")
     code, out, _ = run_cli(capsys, "run", script, "--flag")
     assert code == 0
     seen = json.loads(out)
