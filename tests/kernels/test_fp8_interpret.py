@@ -2,7 +2,7 @@
 activation quantization (groups of 16 / 32 / 128 and one per token, K not a multiple of the
 group) and the block-scale GEMM (decode and prefill tiles, partial blocks in N and K, bias).
 Runs as a child process (tests/kernels/interpret_utils.py); real shapes and speed:
-tests/kernels/test_fp8_gpu.py."""
+tests/kernels/test_fp8_kernels.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 module may already have imported triton in this process, so every check runs in one child
 process (this file run as a script) that prints ``{case: max_abs_error}`` as JSON; the tests
 here just read that table. Numerics of fp16/bf16 and speed are checked on the GPU
-(tests/kernels/test_kernels_gpu.py).
+(tests/kernels/test_paged_attention_kernels.py).
 """
 
 from __future__ import annotations

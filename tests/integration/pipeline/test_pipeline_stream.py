@@ -13,7 +13,9 @@ from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
+import hf_paged  # noqa: F401  (installs the dispatcher and the pipeline wrapper)
 from hf_paged.integration import dispatch, paged_call
+from hf_paged.testing import save_checkpoint
 from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
 
 # transformers.pipeline patched for the whole module (conftest.py has the fixtures)
@@ -238,3 +240,40 @@ def test_a_paged_process_default_streams_a_plain_pipeline(stock_pipe, stock_many
     finally:
         dispatch.set_default_backend(None)
         dispatch.release(model)
+
+
+# ---- on one GPU (marker gpu, skipped without CUDA) ----------------------------------------------
+# A paged pipeline over a list on one GPU (CUDA graphs, Triton backend): fp32 greedy outputs
+# equal the stock pipeline's, and the prompts ran concurrently in one engine run.
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+CUDA_PROMPTS = [f"{w} {i}" for i, w in enumerate(["Hello, my name is", "ab", "def fib(n):"] * 16)]
+
+
+@pytest.fixture(scope="module")
+def cuda_ckpt(tmp_path_factory):
+    return save_checkpoint(str(tmp_path_factory.mktemp("pipe_gpu")), family="qwen3")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_pipeline_list_equals_stock_on_cuda(cuda_ckpt, batch_size):
+    kw = dict(max_new_tokens=16, do_sample=False, batch_size=batch_size)
+    stock = transformers.pipeline("text-generation", model=cuda_ckpt, device="cuda", dtype=torch.float32)
+    want = stock(CUDA_PROMPTS, **kw)
+    del stock
+    pipe = transformers.pipeline(
+        "text-generation", model=cuda_ckpt, backend="paged", device="cuda", dtype=torch.float32,
+        paged_config={"max_num_seqs": 32},
+    )  # fmt: skip
+    try:
+        assert pipe(CUDA_PROMPTS, **kw) == want
+        stats = pipe.model.engine.stats
+        assert stats["max_num_running_seqs"] > batch_size
+        assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    finally:
+        pipe.model.close()

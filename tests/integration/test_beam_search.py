@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
+from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.integration import dispatch
 from hf_paged.integration.fallback import PagedFallback, PagedFallbackWarning
 from hf_paged.integration.prepare import prepare_call
@@ -291,3 +292,79 @@ def test_what_stays_stock(models):
     with pytest.warns(PagedFallbackWarning, match=r"\[kv_cache\]"):
         paged = tight.generate(**big, backend="paged")
     assert torch.equal(paged, stock)
+
+
+# ---- on one GPU (marker gpu, skipped without CUDA) ----------------------------------------------
+# Beam search on one GPU: the Triton attention kernels (KV blocks of 16) and decode CUDA graphs
+# with forked, copy-on-write blocks, against stock ``generate`` on the same fp32 model; seeded beam
+# sampling against stock's draws on the CUDA generator; the block copy on CUDA tensors.
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+CUDA_ENGINE = dict(kv_block_size=16, max_num_batched_tokens=256, max_num_seqs=32, seed=0,
+              max_model_len=128, device="cuda")  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["roomy", "tight"])
+def cuda_model(request):
+    """fp32 llama on CUDA; "tight": 16 blocks, less than the batch's beams need at once."""
+    m = build_hf_model("llama", seed=0).cuda()
+    dispatch.configure(m, **CUDA_ENGINE, num_kv_blocks=256 if request.param == "roomy" else 16)
+    yield m
+    dispatch.release(m)
+
+
+def cuda_left_pad(lengths, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+    width = max(lengths)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    return ids, mask
+
+
+def cuda_both(cuda_model, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    stock = cuda_model.generate(**kwargs)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PagedFallbackWarning)
+        paged = cuda_model.generate(**kwargs, backend="paged")
+    return stock, paged
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("do_sample", [False, True], ids=["beam_search", "beam_sample"])
+def test_beams_on_cuda_equal_stock(cuda_model, do_sample):
+    ids, mask = cuda_left_pad([15, 16, 17, 40], seed=3)  # prompts end inside and at block edges
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, num_beams=4,
+                  num_return_sequences=2, do_sample=do_sample, return_dict_in_generate=True,
+                  output_scores=True)  # fmt: skip
+    stock, paged = cuda_both(cuda_model, **kwargs)
+    assert torch.equal(paged.sequences, stock.sequences)
+    assert torch.equal(paged.beam_indices, stock.beam_indices)
+    torch.testing.assert_close(paged.sequences_scores, stock.sequences_scores, atol=1e-4,
+                               rtol=1e-5)  # fmt: skip
+    assert [s.shape for s in paged.scores] == [s.shape for s in stock.scores]
+    stats = dispatch.get_engine(cuda_model).stats
+    assert stats["num_copied_blocks"] > 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    if stats["num_kv_blocks"] == 16:
+        assert stats["num_preemptions"] + stats["num_parked"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_copy_blocks_on_cuda():
+    cache = KVCache([KVCacheSpec(2, 64, 64)] * 2, 8, 16, torch.bfloat16, "cuda")
+    for t in cache.storage:
+        t.normal_()
+    before = [t.clone() for t in cache.storage]
+    cache.copy_blocks([(1, 5), (5, 2)])
+    for t, b in zip(cache.storage, before, strict=True):
+        assert torch.equal(t[:, :, 5], b[:, :, 1]) and torch.equal(t[:, :, 2], b[:, :, 5])
+        keep = [i for i in range(8) if i not in (2, 5)]
+        assert torch.equal(t[:, :, keep], b[:, :, keep])

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from hf_paged import LLM, SamplingParams
 from hf_paged.models.generic.support import UnsupportedModelError
-from hf_paged.testing import parity
+from hf_paged.testing import hf_greedy, parity
 from tests.models.bert_adapters import SERVED, generate_with_scores, paged_fallbacks, tiny_model
 from tests.models.coverage_models import BLOCK_SIZE, prompts
 
@@ -126,3 +127,57 @@ def test_tensor_parallel_refused(model_type):
     ctx = ModelContext(TorchRefBackend(), comm=Communicator(0, 2, group=object()))
     with pytest.raises(UnsupportedModelError, match="has no tensor-parallel plan"):
         GenericForCausalLM(config, ctx, torch.float32, "cpu")
+
+
+# ---- on one GPU (marker gpu, skipped without CUDA) ----------------------------------------------
+# RoFormer / MegatronBERT / RemBERT / BigBird adapters on one GPU: fp32 left-padded greedy
+# parity with stock (Triton backend, decode CUDA graphs), or, on a transformers whose base model
+# builds a bidirectional mask for decoders, the named fallback with stock's tokens.
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _reason(model) -> str | None:
+    from hf_paged.models.generic.adapters._bert_style import bidirectional_reason
+
+    refusal = bidirectional_reason(type(model.base_model))
+    return None if refusal is None else refusal.detail
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("model_type", "overrides"), SERVED)
+def test_left_padded_parity_cuda(model_type, overrides):
+    from tests.models.coverage_models import prompts
+
+    model = tiny_model(model_type, **overrides).cuda()
+    ids, mask = (t.cuda() for t in prompts(model.config.vocab_size))
+    with torch.no_grad():
+        ref = generate_with_scores(model, ids, mask)
+    out, fell = paged_fallbacks(model)
+    assert torch.equal(out.sequences, ref.sequences)
+    reason = _reason(model)
+    if reason is not None:  # this transformers' "causal" LM attends to later prompt tokens
+        assert len(fell) == 1 and reason in fell[0], fell
+        return
+    assert fell == []
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-3,
+                               atol=1e-3)  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("model_type", ["roformer", "big_bird"])
+def test_cuda_graph_decode(model_type):
+    """Decode replays CUDA graphs (the probe allows them) and the tokens equal stock's."""
+    model = tiny_model(model_type, seed=2).cuda()
+    if _reason(model) is not None:
+        pytest.skip(_reason(model))
+    prompts = [[5, 6, 7], [9] * 17, list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    with LLM(model, max_model_len=128, kv_block_size=16, num_kv_blocks=64) as llm:
+        runner = llm.engine.executor.runner
+        assert runner.model.supports_cuda_graph, runner.model.cuda_graph_reason
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(model, prompts, new_tokens=24)

@@ -7,8 +7,10 @@ import os
 import warnings
 
 import pytest
+import torch
 
 from hf_paged import envs
+from hf_paged.kernels import argmax, fused_act, fused_norm, fused_rope, skinny_gemm
 
 EXPECTED_DEFAULTS = {
     "HF_PAGED_BACKEND": "hf",
@@ -127,3 +129,50 @@ def test_unknown_variable_warns_once_with_nearest(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         envs.snapshot()  # once per name
+
+
+# ---- on one GPU (marker gpu, skipped without CUDA) ----------------------------------------------
+# Each kernel switch of hf_paged/envs.py turns off exactly the kernels its docstring names.
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+pytest.importorskip("triton")
+
+
+
+def _dispatch() -> dict[str, bool]:
+    """Which kernels take inputs each of them supports, under the current switches."""
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(2, 4096, device=dev, dtype=dt)
+    w = torch.randn(4096, device=dev, dtype=dt)
+    q = torch.randn(3, 4, 64, device=dev, dtype=dt)
+    k = torch.randn(3, 2, 64, device=dev, dtype=dt)
+    cos = torch.randn(3, 64, device=dev, dtype=dt)
+    return {
+        "norm": fused_norm.supports(x, w),
+        "act": fused_act.supports(x),
+        "rope": fused_rope.supports(q, k, cos, cos.clone()),
+        "argmax": argmax.supports(torch.randn(2, 1000, device=dev)),
+        "skinny_gemm": skinny_gemm.supports(x, torch.randn(64, 4096, device=dev, dtype=dt)),
+    }
+
+
+ALL_ON = {"norm": True, "act": True, "rope": True, "argmax": True, "skinny_gemm": True}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "switch, off",
+    [
+        ("HF_PAGED_FUSED", {"norm", "act", "rope"}),
+        ("HF_PAGED_ARGMAX", {"argmax"}),
+        ("HF_PAGED_SKINNY_GEMM", {"skinny_gemm"}),
+    ],
+)
+def test_switch_covers_exactly_its_kernels(monkeypatch, switch, off):
+    assert _dispatch() == ALL_ON
+    monkeypatch.setattr(envs, switch, False)
+    assert _dispatch() == {name: name not in off for name in ALL_ON}
