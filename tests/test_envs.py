@@ -141,7 +141,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("triton")
 
 
-
 def _dispatch() -> dict[str, bool]:
     """Which kernels take inputs each of them supports, under the current switches."""
     dev, dt = "cuda", torch.bfloat16

@@ -254,9 +254,7 @@ def test_tests_mirror_the_package():
     folders = _test_folders()
     assert len(folders) > 5  # the walk found the test folders
     missing = [
-        str(f.relative_to(ROOT))
-        for f in folders
-        if not (PACKAGE / f.relative_to(TESTS)).is_dir()
+        str(f.relative_to(ROOT)) for f in folders if not (PACKAGE / f.relative_to(TESTS)).is_dir()
     ]
     assert not missing, (
         "test folders without a namesake folder under hf_paged/ (move them, or list them in "

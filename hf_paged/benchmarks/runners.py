@@ -247,8 +247,6 @@ def run_dispatch(model, wl: Workload, batch_size: int, device, engine_kwargs: di
                    fell_back_to_stock=fallbacks)  # fmt: skip
 
 
-
-
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     """Greedy-token agreement of ``other`` with ``reference`` (same requests, same lengths)."""
     prefixes, equal, total = [], 0, 0

@@ -98,7 +98,6 @@ class NativePlan:
             seed=seed if self.temperature > 0 else None,
         )
 
-
     @classmethod
     def from_processors(
         cls,
@@ -187,6 +186,7 @@ class NativePlan:
             stop_token_ids=stop_ids,
             stop_criterion=stop_criterion,
         )
+
 
 def _ids(t) -> tuple[int, ...]:
     if t is None:

@@ -42,9 +42,7 @@ def _call_refusal(model, args: dict, kwargs: dict) -> Refusal | None:
         return Refusal("encoder_decoder", "the model is an encoder-decoder")
     # assisted decoding runs on the engine's speculative steps (``assisted.py``), but for these
     if kwargs.get("assistant_tokenizer") is not None:
-        return Refusal(
-            "universal_assisted", "assistant_tokenizer= drafts with another tokenizer"
-        )
+        return Refusal("universal_assisted", "assistant_tokenizer= drafts with another tokenizer")
     if kwargs.get("assistant_early_exit") is not None:
         return Refusal(
             "assistant_early_exit", "assistant_early_exit drafts with the model's own layers"

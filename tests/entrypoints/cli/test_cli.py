@@ -31,7 +31,9 @@ def plain_procs(ckpt):
     starts so that they overlap the in-process tests."""
     procs = {
         "python": start_python([PLAIN, ckpt]),
-        "hf-paged": start_python(["-m", "hf_paged.entrypoints.cli", "run", "--report", PLAIN, ckpt]),
+        "hf-paged": start_python(
+            ["-m", "hf_paged.entrypoints.cli", "run", "--report", PLAIN, ckpt]
+        ),
     }
     yield procs
     for p in procs.values():

@@ -105,7 +105,11 @@ def write_tasks(root: str) -> str:
 
 
 def lm_eval_cmd(model: str, tasks: str, out: str, paged: bool) -> list[str]:
-    head = [sys.executable, "-m", "hf_paged.entrypoints.cli", "run", "-m"] if paged else [sys.executable, "-m"]
+    head = (
+        [sys.executable, "-m", "hf_paged.entrypoints.cli", "run", "-m"]
+        if paged
+        else [sys.executable, "-m"]
+    )
     return head + [
         "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
         "--tasks", TASKS, "--include_path", tasks, "--device", "cpu", "--batch_size", "4",

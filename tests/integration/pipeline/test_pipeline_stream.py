@@ -14,7 +14,7 @@ from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
 import hf_paged  # noqa: F401  (installs the dispatcher and the pipeline wrapper)
-from hf_paged.integration import dispatch, paged_call
+from hf_paged.integration import dispatch, route
 from hf_paged.testing import save_checkpoint
 from tests.integration.pipe_utils import CHAT, GREEDY, PROMPTS
 
@@ -55,10 +55,8 @@ def _no_leaks(engine) -> None:
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_size, monkeypatch):
     prepared = []
-    real = paged_call.prepare_call
-    monkeypatch.setattr(
-        paged_call, "prepare_call", lambda *a, **k: prepared.append(1) or real(*a, **k)
-    )
+    real = route.prepare_call
+    monkeypatch.setattr(route, "prepare_call", lambda *a, **k: prepared.append(1) or real(*a, **k))
     out = paged_pipe(MANY, batch_size=batch_size, **GREEDY)
     # unpadded rows with max_new_tokens share one preparation; padded batches each have their own
     assert len(prepared) == (1 if batch_size == 1 else 8)
@@ -263,7 +261,9 @@ def cuda_ckpt(tmp_path_factory):
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_pipeline_list_equals_stock_on_cuda(cuda_ckpt, batch_size):
     kw = dict(max_new_tokens=16, do_sample=False, batch_size=batch_size)
-    stock = transformers.pipeline("text-generation", model=cuda_ckpt, device="cuda", dtype=torch.float32)
+    stock = transformers.pipeline(
+        "text-generation", model=cuda_ckpt, device="cuda", dtype=torch.float32
+    )
     want = stock(CUDA_PROMPTS, **kw)
     del stock
     pipe = transformers.pipeline(
