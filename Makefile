@@ -28,7 +28,7 @@ test: install
 # Ray Data tests (hf_paged.ray): a local Ray with logical resources; several minutes on 2 cores
 test-ray: install
 	$(PY) -m pip install -q -e ".[dev,ray]"
-	$(PY) -m pytest -m ray tests/scale -rs
+	$(PY) -m pytest -m ray tests/entrypoints -rs
 
 # The client suite (tests/clients, marker `clients`): lm-eval's CLI, pipelines, datasets.map,
 # `hf-paged run`, Ray Data and torchrun, each in fresh processes beside stock. On CPU a tiny model

@@ -30,15 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from workloads import (  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     build_random_model,
     environment,

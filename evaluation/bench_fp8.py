@@ -37,16 +37,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import agreement, run_llm, run_stock  # noqa: E402
-from workloads import (  # noqa: E402
+from hf_paged import envs  # noqa: E402
+from hf_paged.benchmarks.runners import agreement, run_llm, run_stock  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     Workload,
     build_random_model,
@@ -56,8 +55,6 @@ from workloads import (  # noqa: E402
     log,
     utc_stamp,
 )
-
-from hf_paged import envs  # noqa: E402
 from hf_paged.layers.quantization.fp8_checkpoints import (  # noqa: E402
     load_finegrained_fp8,
     save_compressed_tensors_fp8,

@@ -1,5 +1,5 @@
 """FP8 GEMM paths against bf16 at Llama-3-8B's shapes, activation quantization included; writes
-the package's path table (``hf_paged/kernels/fp8_paths.json``) with ``--write-paths``.
+the package's path table (``hf_paged/kernels/fp8/fp8_paths.json``) with ``--write-paths``.
 
 For each weight (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head
 128256x4096) and M = 1, 16, 64, 256, 2048, 8192 rows, microseconds per call of:
@@ -7,9 +7,9 @@ For each weight (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336
 * ``bf16``: ``F.linear`` and the bf16 layers' own dispatch (``skinny_gemm.linear``); the faster
   is the bf16 figure;
 * ``quant``: the per-token-group (128) activation quantization alone (column-major scales);
-* ``cublaslt``: quant + ``F.scaled_mm`` block-wise (``kernels/fp8_scaled_mm.py``);
-* ``triton``: quant + the Triton block GEMM, best of a few tile configs (``kernels/fp8_gemm.py``);
-* ``gemv`` (M <= 16): quant + the FP8 GEMV, best of a few configs (``kernels/fp8_gemv.py``);
+* ``cublaslt``: quant + ``F.scaled_mm`` block-wise (``kernels/fp8/fp8_scaled_mm.py``);
+* ``triton``: quant + the Triton block GEMM, best of a few tile configs (``kernels/fp8/fp8_gemm.py``);
+* ``gemv`` (M <= 16): quant + the FP8 GEMV, best of a few configs (``kernels/fp8/fp8_gemv.py``);
 * ``rowwise``: per-token quant + ``torch._scaled_mm`` row-wise (compressed-tensors' GEMM);
 * producers (K = 4096 / 14336): RMSNorm+residual then quant vs the fused RMSNorm->FP8 kernel,
   SiLU-and-mul then quant vs the fused SiLU-and-mul->FP8 kernel.
@@ -28,30 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import RESULTS_DIR, environment, log, utc_stamp  # noqa: E402
-
-from hf_paged.kernels import (  # noqa: E402
-    fp8_fused_quant,
-    fp8_paths,
-    fp8_scaled_mm,
-    fused_act,
-    fused_norm,
-)
-from hf_paged.kernels.fp8_gemm import (  # noqa: E402
+from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp  # noqa: E402
+from hf_paged.kernels import fused_act, fused_norm  # noqa: E402
+from hf_paged.kernels.fp8 import fp8_fused_quant, fp8_paths, fp8_scaled_mm  # noqa: E402
+from hf_paged.kernels.fp8.fp8_gemm import (  # noqa: E402
     w8a8_block_matmul,
     w8a8_matmul_ref,
     w8a8_rowwise_matmul,
 )
-from hf_paged.kernels.fp8_gemv import fp8_gemv  # noqa: E402
-from hf_paged.kernels.fp8_quant import per_token_group_quant  # noqa: E402
+from hf_paged.kernels.fp8.fp8_gemv import fp8_gemv  # noqa: E402
+from hf_paged.kernels.fp8.fp8_quant import per_token_group_quant  # noqa: E402
 from hf_paged.kernels.skinny_gemm import linear as bf16_layer_linear  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
@@ -263,7 +255,7 @@ def write_paths(results: list[dict], device: str, path: Path) -> None:
         shapes.setdefault(f"{r['N']}x{r['K']}", {})[str(r["M"])] = entry
     table = {"about": f"Measured by evaluation/bench_fp8_gemm.py on {device} at {utc_stamp()}: "
              "the fastest block-scale FP8 path per weight shape and row class, activation "
-             "quantization included (kernels/fp8_paths.py).",
+             "quantization included (kernels/fp8/fp8_paths.py).",
              "device": device, "m_classes": sorted({r["M"] for r in results}), "shapes": shapes}  # fmt: skip
     fp8_paths.parse_table(table)  # validate before writing
     path.write_text(json.dumps(table, indent=1) + "\n")
@@ -275,7 +267,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--write-paths", action="store_true",
-                    help="write hf_paged/kernels/fp8_paths.json (and a copy beside the results)")
+                    help="write hf_paged/kernels/fp8/fp8_paths.json (and a copy beside the results)")
     args = ap.parse_args(argv)
     names = [s for s in args.shapes.split(",") if s]
     bad = sorted(set(names) - set(SHAPES))

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import environment, log  # noqa: E402
-
+from hf_paged.benchmarks.workloads import environment, log  # noqa: E402
 from hf_paged.kernels.skinny_gemm import _config, skinny_gemm  # noqa: E402
 
 SHAPES_8B = {  # name: (N, K)

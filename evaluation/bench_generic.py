@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import run_llm, run_stock  # noqa: E402
-from workloads import (  # noqa: E402
+from hf_paged.benchmarks.runners import run_llm, run_stock  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     build_random_model,
     environment,
@@ -71,7 +68,7 @@ def shaped_config(arch: str, layers: int, smoke: bool = False):
 
 
 def build(arch: str, layers: int, device, smoke: bool = False):
-    import workloads
+    from hf_paged.benchmarks import workloads
 
     cfg = shaped_config(arch, layers, smoke)
     original = workloads.model_config

@@ -10,7 +10,8 @@ call with no IPC and a no-op all_reduce. Rows (microseconds per step, median and
 - tp2_broadcast:   broadcast alone (pickle, write, set events); the worker reads and returns
 - tp2_all_reduce:  one 16-float all_reduce, both ranks already waiting in a loop
 
-Usage: ``python evaluation/bench_ipc.py [--iters 2000]``; writes evaluation/results/ipc_cpu.json.
+Usage: ``PYTHONPATH=. python evaluation/bench_ipc.py [--iters 2000]`` (spawned workers inherit
+PYTHONPATH); writes evaluation/results/ipc_cpu.json.
 """
 
 from __future__ import annotations
@@ -23,16 +24,11 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # spawned workers inherit this path
-
-import torch  # noqa: E402
+import torch
 
 from hf_paged import envs  # noqa: E402
 from hf_paged.distributed.communicator import Communicator  # noqa: E402
@@ -42,6 +38,8 @@ from hf_paged.distributed.process_group import (  # noqa: E402
     find_free_port,
 )
 from hf_paged.engine.worker.tp.workers import WorkerGroup  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class BenchTarget:

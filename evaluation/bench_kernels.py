@@ -21,9 +21,9 @@ import triton
 import triton.testing
 
 from hf_paged import envs
-from hf_paged.kernels.kv_store import store_kvcache
-from hf_paged.kernels.paged_decode import default_num_partitions, paged_decode
-from hf_paged.kernels.paged_prefill import paged_prefill
+from hf_paged.kernels.attention.kv_store import store_kvcache
+from hf_paged.kernels.attention.paged_decode import default_num_partitions, paged_decode
+from hf_paged.kernels.attention.paged_prefill import paged_prefill
 
 PEAK_GBPS = 4300.0  # H200 device-to-device copy, measured on the GPU machine (2026-11-30)
 QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128)

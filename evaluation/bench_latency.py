@@ -36,15 +36,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import (  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     build_random_model,
     engine_source,

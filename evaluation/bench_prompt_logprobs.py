@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import (  # noqa: E402
+from hf_paged import LLM, SamplingParams, envs  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     RESULTS_DIR,
     TritonCompileLog,
     build_random_model,
@@ -49,8 +49,6 @@ from workloads import (  # noqa: E402
     sync,
     utc_stamp,
 )
-
-from hf_paged import LLM, SamplingParams, envs  # noqa: E402
 
 RUNS = {  # name -> (prompt_logprobs, kernel on)
     "prefill_only": (None, True),

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = {
     "import hf_paged": ["-c", "import hf_paged"],
-    "hf-paged --help": ["-m", "hf_paged.cli", "--help"],
+    "hf-paged --help": ["-m", "hf_paged.entrypoints.cli", "--help"],
     "import torch": ["-c", "import torch"],
     "import transformers": ["-c", "import transformers.generation.utils"],
 }

@@ -9,8 +9,8 @@ Usage (GPU): PYTHONPATH=. python evaluation/diag_fp8_gemm.py
 
 import torch
 
-from hf_paged.kernels.fp8_gemm import dequantize_ref, w8a8_matmul_ref
-from hf_paged.kernels.fp8_quant import per_token_group_quant, per_token_group_quant_ref
+from hf_paged.kernels.fp8.fp8_gemm import dequantize_ref, w8a8_matmul_ref
+from hf_paged.kernels.fp8.fp8_quant import per_token_group_quant, per_token_group_quant_ref
 from hf_paged.layers.quantization.fp8_linear import fp8_linear, gemm_path
 
 

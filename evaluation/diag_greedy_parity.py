@@ -22,14 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import RESULTS_DIR, build_random_model, environment, log, utc_stamp  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
+    RESULTS_DIR,
+    build_random_model,
+    environment,
+    log,
+    utc_stamp,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
 
-import torch  # noqa: E402
-from workloads import build_random_model, log  # noqa: E402
-
-from hf_paged import LLM, SamplingParams  # noqa: E402
+from hf_paged import LLM, SamplingParams
+from hf_paged.benchmarks.workloads import build_random_model, log
 
 
 def main() -> None:

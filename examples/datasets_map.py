@@ -1,6 +1,6 @@
 """Batch generation over a ``datasets.Dataset`` with ``Dataset.map`` on the paged engine.
 
-    from hf_paged.integration.datasets_map import paged_generate_map
+    from hf_paged.entrypoints.datasets_map import paged_generate_map
 
     fn = paged_generate_map("path/to/ckpt", column="prompt", output_column="generated",
                             batch_size=256, max_new_tokens=32, do_sample=False)
@@ -16,7 +16,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hf_paged.integration.datasets_map import paged_generate_map  # noqa: E402
+from hf_paged.entrypoints.datasets_map import paged_generate_map  # noqa: E402
 from hf_paged.testing import save_demo_model  # noqa: E402
 
 

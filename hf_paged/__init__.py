@@ -3,7 +3,8 @@
 Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``, the HF-shaped
 ``AutoPagedModelForCausalLM``, ``paged_generate_map`` (``Dataset.map``), ``shard_generate``
 (torchrun / SLURM slices), and the switches ``set_default_backend``, ``configure``, ``release``,
-``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` needs ``ray[data]``.
+``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` (``entrypoints/ray.py``, loaded on first
+access of ``hf_paged.ray``) needs ``ray[data]``. The front ends live in ``entrypoints/``.
 
 ``import hf_paged`` has one side effect: the ``generate`` and ``pipeline`` dispatchers are
 installed when transformers loads them (``integration/hooks.py``); they change nothing until a
@@ -22,9 +23,9 @@ from hf_paged.integration import hooks as _hooks
 
 __version__ = "0.1.0"
 
-# public name -> (module, attribute); imported on first access
-_EXPORTS: dict[str, tuple[str, str]] = {
-    "LLM": ("hf_paged.llm", "LLM"),
+# public name -> (module, attribute); imported on first access (attribute None: the module)
+_EXPORTS: dict[str, tuple[str, str | None]] = {
+    "LLM": ("hf_paged.entrypoints.llm", "LLM"),
     "LLMEngine": ("hf_paged.engine.llm_engine", "LLMEngine"),
     "EngineConfig": ("hf_paged.config", "EngineConfig"),
     "SamplingParams": ("hf_paged.config", "SamplingParams"),
@@ -35,8 +36,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AutoPagedModelForCausalLM": ("hf_paged.integration.auto", "AutoPagedModelForCausalLM"),
     "PagedModelForCausalLM": ("hf_paged.integration.auto", "PagedModelForCausalLM"),
     "PagedFallbackWarning": ("hf_paged.integration.fallback", "PagedFallbackWarning"),
-    "paged_generate_map": ("hf_paged.integration.datasets_map", "paged_generate_map"),
-    "shard_generate": ("hf_paged.shard", "shard_generate"),
+    "paged_generate_map": ("hf_paged.entrypoints.datasets_map", "paged_generate_map"),
+    "shard_generate": ("hf_paged.entrypoints.torchrun", "shard_generate"),
+    "ray": ("hf_paged.entrypoints.ray", None),
     "configure": ("hf_paged.integration.dispatch", "configure"),
     "release": ("hf_paged.integration.dispatch", "release"),
     "set_default_backend": ("hf_paged.integration.dispatch", "set_default_backend"),
@@ -48,7 +50,8 @@ def __getattr__(name: str):
     entry = _EXPORTS.get(name)
     if entry is None:
         raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")
-    value = getattr(importlib.import_module(entry[0]), entry[1])
+    module = importlib.import_module(entry[0])
+    value = module if entry[1] is None else getattr(module, entry[1])
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -85,4 +88,5 @@ if _timings.enabled():  # the client's own phases too, on stock and paged runs a
 
     _client_timings.install()
 
-__all__ = [*_EXPORTS, "install", "uninstall", "__version__"]
+# "ray" stays out of ``import *``: it needs ray[data]
+__all__ = [*(n for n in _EXPORTS if n != "ray"), "install", "uninstall", "__version__"]

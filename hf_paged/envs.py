@@ -73,7 +73,7 @@ SWITCHES: dict[str, Switch] = {
             "HF_PAGED_FP8_GEMM",
             "auto",
             "The GEMM of FP8 linear layers (``layers/quantization/fp8_linear.py``). 'auto' = "
-            "per weight shape and row count from the measured table (``kernels/fp8_paths.json``"
+            "per weight shape and row count from the measured table (``kernels/fp8/fp8_paths.json``"
             ") on CUDA devices with FP8 (compute capability 8.9+), else 'dequant'. A named "
             "path runs wherever it takes the layer's shapes and device (else 'auto' decides): "
             "'cublaslt' (block-wise F.scaled_mm), 'triton' (block GEMM), 'gemv' (decode rows), "

@@ -42,16 +42,17 @@ class Part:
     may_be_empty: bool = False  # "no tests selected" is a pass
 
 
-KERNELS_MAIN = ("tests/kernels/test_kernels_gpu.py", "tests/kernels/test_kernels.py")
+KERNELS_MAIN = ("tests/kernels/test_paged_attention_kernels.py",)
 
 PARTS = (
     Part(1, "engine: runner and CUDA graphs, scheduler, KV memory budget (10 rebuilds, two "
             "engines at 0.45), spec decoding, prompt logprobs, sampler, switches",
-         ("tests/engine", "tests/config", "tests/layers", "tests/attention"), estimate_s=240),
+         ("tests/engine", "tests/test_envs.py", "tests/layers", "tests/attention"),
+         ignore=("tests/engine/worker/tp",), estimate_s=240),
     Part(2, "front ends: beam search on CUDA, PEFT adapters, pipeline streaming, stock calls "
             "beside an engine (8B shape, ~20 GB of beam-search activations)",
-         ("tests/integration", "tests/hf", "tests/entrypoints", "tests/cli", "tests/scale",
-          "tests/reliability", "tests/benchmarks"), estimate_s=200),
+         ("tests/integration", "tests/entrypoints", "tests/reliability", "tests/benchmarks"),
+         estimate_s=200),
     Part(3, "Triton attention kernels against their torch references (prefill, decode, "
             "split-K, softcap/ALiBi/sinks/MLA, CUDA graphs): ~110 tests, Triton compiles "
             "for each",
@@ -63,7 +64,7 @@ PARTS = (
             "generic path, adapters, toy-model protocol",
          ("tests/models",), estimate_s=300),
     Part(6, "every other test folder (tp's tests are multi_gpu: none selected by -m gpu)",
-         ("tests/tp",), rest=True, may_be_empty=True, estimate_s=30),
+         ("tests/engine/worker/tp",), rest=True, may_be_empty=True, estimate_s=30),
 )  # fmt: skip
 
 

@@ -45,7 +45,7 @@ def test_the_tree_collects_without_the_optional_packages(tmp_path):
     run = _collect(tmp_path, "tests")
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"collection failed with {HIDDEN} hidden:\n{out[-6000:]}"
-    assert "ERROR" not in out and "tests/hf/test_pipeline.py" in out, out[-3000:]
+    assert "ERROR" not in out and "tests/integration/pipeline/test_pipeline.py" in out, out[-3000:]
 
 
 def test_the_plugin_really_hides_them(tmp_path):

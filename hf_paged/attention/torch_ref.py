@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from hf_paged.kernels.kv_store import store_kvcache_ref
+from hf_paged.kernels.attention.kv_store import store_kvcache_ref
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -23,10 +23,10 @@ import torch
 
 from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from hf_paged.attention.torch_ref import TorchRefBackend
-from hf_paged.kernels.attention_common import MAX_HEAD_DIM
-from hf_paged.kernels.kv_store import store_kvcache
-from hf_paged.kernels.paged_decode import paged_decode
-from hf_paged.kernels.paged_prefill import paged_prefill
+from hf_paged.kernels.attention.attention_common import MAX_HEAD_DIM
+from hf_paged.kernels.attention.kv_store import store_kvcache
+from hf_paged.kernels.attention.paged_decode import paged_decode
+from hf_paged.kernels.attention.paged_prefill import paged_prefill
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.servable import check_servable
 from hf_paged.models.registry import resolve_model_class
+from hf_paged.models.servable import check_servable
 from hf_paged.paths import not_a_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -5,7 +5,7 @@ Stock's ``_assisted_decoding`` keeps, each step, the candidates the model agrees
 model's own next token, so its greedy output is the model's greedy output and its sampled output
 has the model's distribution. The engine's speculative steps (``engine/spec/spec_decode.py``) keep the
 same invariant for every row of a batch at once, so a prepared call runs as a native call whose
-requests carry a proposer: ``NgramProposer`` for prompt lookup (stock takes it over an
+requests carry a proposer (attached by ``route.py``): ``NgramProposer`` for prompt lookup (stock takes it over an
 assistant model when both are given), ``DraftModelProposer`` over the assistant model's own
 engine otherwise, with the assistant's ``num_assistant_tokens``, its schedule and confidence
 threshold (they change only speed).
@@ -22,11 +22,11 @@ on its step boundaries).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.plan import SpecPlan
 from hf_paged.integration.prepare import PreparedCall
 
 # stock's global defaults for the assistant's generation config fields it leaves unset
@@ -35,17 +35,6 @@ _ASSISTANT_DEFAULTS = {
     "num_assistant_tokens_schedule": "constant",
     "assistant_confidence_threshold": 0.4,
 }
-
-
-@dataclass(frozen=True)
-class SpecPlan:
-    """The proposer of an assisted call."""
-
-    kind: str  # "ngram" (prompt lookup) or "draft" (assistant model)
-    num_tokens: int  # prompt_lookup_num_tokens / num_assistant_tokens
-    max_matching_ngram_size: int = 2  # ngram
-    schedule: str = "constant"  # draft: num_assistant_tokens_schedule
-    confidence_threshold: float | None = None  # draft: assistant_confidence_threshold
 
 
 def spec_plan(call: PreparedCall) -> SpecPlan:
@@ -119,9 +108,9 @@ def draft_proposer(plan: SpecPlan, assistant, engine, hold_engine=None):
     from hf_paged.integration import servable
 
     if isinstance(assistant, torch.nn.Module):
-        fb = servable.model_reason(assistant)
-        if fb is not None:
-            raise PagedFallback(f"assistant_{fb.reason}", f"the assistant: {fb.detail}")
+        refusal = servable.model_refusal(assistant)
+        if refusal is not None:
+            raise PagedFallback.of(refusal.renamed("assistant_", "the assistant: "))
         if hold_engine is None:
             raise PagedFallback("assistant_model", "this caller holds no engine for an HF model")
         held = hold_engine(assistant)

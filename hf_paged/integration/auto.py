@@ -29,6 +29,7 @@ from hf_paged.integration import paged_call, servable
 from hf_paged.integration.engine_owner import EngineOwner
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.paths import is_checkpoint_dir, not_a_checkpoint
+from hf_paged.refusal import Refusal
 
 
 class AutoPagedModelForCausalLM:
@@ -100,19 +101,6 @@ class AutoPagedModelForCausalLM:
             )
         _quiet_pipeline_model_check()
         return PagedModelForCausalLM(engine, _meta_skeleton(path, engine.hf_config), path)
-
-
-def quantized_checkpoint_reason(path: str | os.PathLike) -> PagedFallback | None:
-    """Why a checkpoint directory's quantization can't be served (for callers that can fall
-    back to stock), or None."""
-    from transformers import AutoConfig
-
-    from hf_paged.engine.servable import quantization_reason
-
-    if not is_checkpoint_dir(path):
-        return None
-    reason = quantization_reason(AutoConfig.from_pretrained(path))
-    return None if reason is None else PagedFallback(*reason)
 
 
 def _meta_skeleton(path: str, hf_config):
@@ -271,10 +259,10 @@ class PagedModelForCausalLM:
             "custom_generate": custom_generate,
         }
         if assistant_model is self:  # its engine is the one drafting would need
-            raise _unsupported(PagedFallback("assisted_self", "assistant_model is this model"))
-        fb = servable.precheck(self._skeleton, named, kwargs, model_checks=False)
-        if fb is not None:
-            raise _unsupported(fb)
+            raise _unsupported(Refusal("assisted_self", "assistant_model is this model"))
+        refusal = servable.precheck(self._skeleton, named, kwargs, model_checks=False)
+        if refusal is not None:
+            raise _unsupported(refusal)
         if inputs is None and kwargs.get("input_ids") is None:
             inputs = self._bos_inputs(generation_config, kwargs)
         from hf_paged.integration.dispatch import hold_engine  # an HF model as the assistant
@@ -299,7 +287,7 @@ class PagedModelForCausalLM:
                 raise ValueError(fb.detail) from None
             if fb.reason == "reentrant":
                 raise RuntimeError(_HELD) from None
-            raise _unsupported(fb) from None
+            raise _unsupported(fb.refusal) from None
 
     @property
     def skeleton(self):
@@ -363,9 +351,9 @@ _HELD = (
 )
 
 
-def _unsupported(fb: PagedFallback) -> NotImplementedError:
+def _unsupported(refusal: Refusal) -> NotImplementedError:
     return NotImplementedError(
-        f"PagedModelForCausalLM.generate cannot run this call: {fb.detail} [{fb.reason}]. The paged "
+        f"PagedModelForCausalLM.generate cannot run this call: {refusal.tagged()}. The paged "
         "engine does not implement it and there are no HF weights to fall back on; load the "
         "model with AutoModelForCausalLM for such calls"
     )

@@ -30,7 +30,6 @@ their later steps produce reaches no output.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -55,20 +54,15 @@ def generate_beams(model, engine, call: PreparedCall):
     Raises:
         PagedFallback: before any request is queued (the call needs stock, or does not fit).
     """
-    check_beams_fit(call, engine)
+    _check_beams(call, engine)
     with torch.no_grad():
         beams, scores, logits = _run(model, engine, call)
     return _outputs(call, beams, scores, logits)
 
 
-def check_beams_fit(call: PreparedCall, engine) -> None:
-    """PagedFallback when the engine cannot serve this beam call.
-
-    One row's beams must fit the KV cache at once, sharing the prompt: its longest beam plus,
-    per other beam, a private tail of ``max_new_tokens`` and the copied partial block. Less
-    would make every step recompute the row; more is not needed (beams that do not fit are
-    preempted and recomputed, prefix-cached blocks shared again).
-    """
+def _check_beams(call: PreparedCall, engine) -> None:
+    """PagedFallback when the engine cannot serve this beam call (``plan.check_fits`` judges
+    whether one row's beams fit the KV cache at once)."""
     gen = call.generation_config
     if gen.low_memory:  # stock raises for it; let it
         raise PagedFallback("low_memory", "low_memory=True is refused by stock beam search")
@@ -76,17 +70,8 @@ def check_beams_fit(call: PreparedCall, engine) -> None:
         raise PagedFallback("streamer", "a streamer with beams is passed to the model by stock")
     if not hasattr(engine, "provide_beams"):
         raise PagedFallback("beam_search", f"{type(engine).__name__} has no provide_beams")
-    # only the max_model_len check: KV is checked here
-    check_fits(call.prompts, call.max_new_tokens, engine.runtime, native=True)
-    k, max_new, bs = gen.num_beams, call.max_new_tokens, engine.runtime.config.kv_block_size
-    tail = (k - 1) * (math.ceil(max_new / bs) + 1)
-    need = max(math.ceil((len(p) + max_new) / bs) for p in call.prompts) + tail
-    if need > engine.runtime.num_kv_blocks:
-        raise PagedFallback(
-            "kv_cache",
-            f"one row's {k} beams need up to {need} KV blocks at once, the engine has "
-            f"{engine.runtime.num_kv_blocks}",
-        )
+    check_fits(call.prompts, call.max_new_tokens, engine.runtime, held="beams",
+               num_beams=gen.num_beams)  # fmt: skip
 
 
 @dataclass

@@ -218,7 +218,7 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
                     model, lambda: held.get(paged_config), hold_engine, **forwarded
                 )
         except PagedFallback as e:
-            fb = e
+            fb = e.refusal
     engine_owner.give_back_for_stock(model)  # kept when held (a nested call: "reentrant")
     return call_stock(original, model, args, kwargs, fb)
 

@@ -1,7 +1,8 @@
 """Running stock: the one exception that says a call can't go paged, and its warn-once.
 
-Every front end raises ``PagedFallback(reason, detail)`` for what the engine cannot reproduce,
-before anything is queued. Where there is a stock implementation to fall back on (the ``generate``
+Every "why not" helper returns a ``Refusal`` (``hf_paged.refusal``); a front end raises it as
+``PagedFallback`` (``PagedFallback.of(refusal)``, or ``PagedFallback(reason, detail)`` where it
+judges the call itself) for what the engine cannot reproduce, before anything is queued. Where there is a stock implementation to fall back on (the ``generate``
 dispatcher, lm-eval's HFLM methods, pipelines), it is called and ``warn_fallback`` emits one
 ``PagedFallbackWarning`` per reason per process; where there is none (``PagedModelForCausalLM``,
 ``LLM``) the front end turns the same exception into its own error with the same detail.
@@ -13,19 +14,33 @@ import contextvars
 import threading
 import warnings
 
+from hf_paged.refusal import Refusal
+
 
 class PagedFallbackWarning(UserWarning):
     """A paged call ran stock transformers (or stock lm-eval) for the reason in the message."""
 
 
 class PagedFallback(Exception):
-    """This call must run stock. ``reason`` is a short key (one warning per key per process);
-    ``detail`` says why in words, and how to change the call where there is a way."""
+    """This call must run stock: a ``Refusal`` raised. ``reason`` is a short key (one warning per
+    key per process); ``detail`` says why in words, and how to change the call where there is a
+    way."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+        self.refusal = Refusal(reason, detail)
+
+    @classmethod
+    def of(cls, refusal: Refusal) -> PagedFallback:
+        return cls(refusal.reason, refusal.detail)
+
+    @property
+    def reason(self) -> str:
+        return self.refusal.reason
+
+    @property
+    def detail(self) -> str:
+        return self.refusal.detail
 
 
 _warned: set[str] = set()
@@ -34,7 +49,7 @@ _lock = threading.Lock()
 _in_stock = contextvars.ContextVar("hf_paged_in_stock", default=False)
 
 
-def warn_fallback(fb: PagedFallback, what: str = "generate(backend='paged')") -> None:
+def warn_fallback(fb: Refusal | PagedFallback, what: str = "generate(backend='paged')") -> None:
     """One ``PagedFallbackWarning`` per ``fb.reason`` per process; ``what`` names the call."""
     with _lock:
         if fb.reason in _warned:
@@ -53,7 +68,7 @@ def reset_fallback_warnings() -> None:
         _warned.clear()
 
 
-def call_stock(original, model, args, kwargs, fb: PagedFallback | None = None):
+def call_stock(original, model, args, kwargs, fb: Refusal | PagedFallback | None = None):
     """Warn for ``fb`` (if given), then run stock ``generate``; paged calls it makes stay stock."""
     if fb is not None:
         warn_fallback(fb)

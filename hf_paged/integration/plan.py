@@ -1,5 +1,7 @@
-"""A prepared call's native plan: HF generation semantics as engine ``SamplingParams``, whether
-the engine can sample it itself, whether it fits, and its engine requests.
+"""A prepared call's plan: HF generation semantics as engine ``SamplingParams`` (``NativePlan``),
+with speculation as part of it (``SpecPlan``), whether the engine can sample it itself
+(``native_plan``), whether its rows fit the engine (``check_fits``), and the plans of calls that
+differ only in their prompt (``PlanCache``).
 
 The mapping reads the ``LogitsProcessorList`` and ``StoppingCriteriaList`` that HF's own
 ``_get_logits_processor`` / ``_get_stopping_criteria`` built for the call, not the
@@ -9,12 +11,12 @@ its result keeps the semantics HF's by construction. Any processor or criterion 
 set below sends the call down the external-sampling path, where HF's objects run as they are.
 
 No engine and no model here: plain objects in (HF's processors and criteria, the engine's
-``RuntimeInfo``), plans, requests and ``PagedFallback`` out.
+``RuntimeInfo``), plans, ``Refusal`` and ``PagedFallback`` out. ``route.py`` turns a plan into
+engine requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,12 +39,23 @@ from transformers.generation.stopping_criteria import (
 )
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.stop_strings import StopStrings
-from hf_paged.integration.assisted import ngram_proposer
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.refusal import Refusal
 
 _NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """The proposer of an assisted call (``assisted.spec_plan``): the engine verifies several
+    proposed tokens a step."""
+
+    kind: str  # "ngram" (prompt lookup) or "draft" (assistant model)
+    num_tokens: int  # prompt_lookup_num_tokens / num_assistant_tokens
+    max_matching_ngram_size: int = 2  # ngram
+    schedule: str = "constant"  # draft: num_assistant_tokens_schedule
+    confidence_threshold: float | None = None  # draft: assistant_confidence_threshold
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,8 @@ class NativePlan:
     # the call's StopStringCriteria (None: no stop strings); its engine matcher is
     # ``stop_strings``, built once when first asked for
     stop_criterion: StopStringCriteria | None = field(default=None, compare=False)
-    # assisted decoding: the proposer's plan (``assisted.SpecPlan``), None = none
-    spec: object | None = field(default=None, compare=False)
+    # assisted decoding: the proposer's plan, None = none
+    spec: SpecPlan | None = field(default=None, compare=False)
 
     @cached_property
     def stop_strings(self) -> StopStrings | None:
@@ -85,6 +98,95 @@ class NativePlan:
             seed=seed if self.temperature > 0 else None,
         )
 
+    @classmethod
+    def from_processors(
+        cls,
+        processors: Sequence,
+        criteria: Sequence,
+        *,
+        do_sample: bool,
+        input_length: int,
+        vocab_size: int,
+        left_padded: bool,
+    ) -> NativePlan | Refusal:
+        """The engine-native equivalent of HF's prepared processors and criteria.
+
+        Args:
+            processors: the call's ``LogitsProcessorList`` as HF built it (user processors included).
+            criteria: the call's ``StoppingCriteriaList`` as HF built it (user criteria included).
+            do_sample: ``generation_config.do_sample``.
+            input_length: ``L``, the padded prompt width (HF's lengths count from it).
+            vocab_size: logits width (``top_k >= vocab`` means off).
+            left_padded: every row's attended tokens are one contiguous run ending at column L-1
+                (HF's repetition penalty skips only leading pads; the engine sees only the prompt).
+
+        Returns:
+            The plan, or a ``Refusal`` when only HF's own objects can do it (the call then samples
+            outside the engine).
+        """
+        temperature, top_k, top_p, min_p, penalty = 1.0, -1, 1.0, 0.0, 1.0
+        min_tokens, min_eos = 0, None
+        for p in processors:
+            kind = type(p)
+            if kind is TemperatureLogitsWarper:
+                temperature = float(p.temperature)
+            elif kind is TopKLogitsWarper:
+                if refusal := _warper_refusal(p):
+                    return refusal
+                top_k = -1 if p.top_k >= vocab_size else int(p.top_k)
+            elif kind is TopPLogitsWarper:
+                if refusal := _warper_refusal(p):
+                    return refusal
+                top_p = float(p.top_p)
+            elif kind is MinPLogitsWarper:
+                if refusal := _warper_refusal(p):
+                    return refusal
+                min_p = float(p.min_p)
+            elif kind is RepetitionPenaltyLogitsProcessor:
+                if not isinstance(p.prompt_ignore_length, (torch.Tensor, type(None))):
+                    return _refuse("repetition_penalty with an integer prompt_ignore_length")
+                if not left_padded:
+                    return _refuse("repetition_penalty on rows that are not left padded")
+                penalty = float(p.penalty)
+            elif kind is MinLengthLogitsProcessor:
+                min_tokens = max(min_tokens, int(p.min_length) - input_length)
+                min_eos = _ids(p.eos_token_id)
+            elif kind is MinNewTokensLengthLogitsProcessor:
+                start = int(p.prompt_length_to_skip)
+                min_tokens = max(min_tokens, start + int(p.min_new_tokens) - input_length)
+                min_eos = _ids(p.eos_token_id)
+            else:
+                return _refuse(f"logits processor {kind.__name__}")
+
+        max_length, stop_ids, stop_criterion = None, (), None
+        for c in criteria:
+            if type(c) is MaxLengthCriteria:
+                max_length = int(c.max_length)
+            elif type(c) is EosTokenCriteria:
+                stop_ids = _ids(c.eos_token_id)
+            elif type(c) is StopStringCriteria and stop_criterion is None:
+                stop_criterion = c
+            else:
+                return _refuse(f"stopping criterion {type(c).__name__}")
+        if max_length is None:
+            return _refuse("no max_length")
+        if stop_criterion is not None and min_tokens > 0:
+            return _refuse("stop strings with a min length (HF matches them before it)")
+        if min_tokens > 0 and min_eos is not None and set(min_eos) != set(stop_ids):
+            return _refuse("min length masking ids other than the stop ids")
+        return cls(
+            temperature=temperature if do_sample else 0.0,
+            top_k=top_k if do_sample else -1,
+            top_p=top_p if do_sample else 1.0,
+            min_p=min_p if do_sample else 0.0,
+            repetition_penalty=penalty,
+            # stock's loop always runs once, so a prompt at max_length still gets one token
+            max_tokens=max(1, max_length - input_length),
+            min_tokens=max(0, min_tokens),
+            stop_token_ids=stop_ids,
+            stop_criterion=stop_criterion,
+        )
+
 
 def _ids(t) -> tuple[int, ...]:
     if t is None:
@@ -96,109 +198,28 @@ def _ids(t) -> tuple[int, ...]:
     return tuple(int(i) for i in t)
 
 
-def plan_native(
-    processors: Sequence,
-    criteria: Sequence,
-    *,
-    do_sample: bool,
-    input_length: int,
-    vocab_size: int,
-    left_padded: bool,
-) -> NativePlan:
-    """The engine-native equivalent of HF's prepared processors and criteria.
-
-    Args:
-        processors: the call's ``LogitsProcessorList`` as HF built it (user processors included).
-        criteria: the call's ``StoppingCriteriaList`` as HF built it (user criteria included).
-        do_sample: ``generation_config.do_sample``.
-        input_length: ``L``, the padded prompt width (HF's lengths count from it).
-        vocab_size: logits width (``top_k >= vocab`` means off).
-        left_padded: every row's attended tokens are one contiguous run ending at column L-1
-            (HF's repetition penalty skips only leading pads; the engine sees only the prompt).
-
-    Returns:
-        ``(NativePlan, None)``, or ``(None, why)`` when only HF's own objects can do it (the
-        call then samples outside the engine).
-    """
-    temperature, top_k, top_p, min_p, penalty = 1.0, -1, 1.0, 0.0, 1.0
-    min_tokens, min_eos = 0, None
-    for p in processors:
-        kind = type(p)
-        if kind is TemperatureLogitsWarper:
-            temperature = float(p.temperature)
-        elif kind is TopKLogitsWarper:
-            if why := _warper_reason(p):
-                return None, why
-            top_k = -1 if p.top_k >= vocab_size else int(p.top_k)
-        elif kind is TopPLogitsWarper:
-            if why := _warper_reason(p):
-                return None, why
-            top_p = float(p.top_p)
-        elif kind is MinPLogitsWarper:
-            if why := _warper_reason(p):
-                return None, why
-            min_p = float(p.min_p)
-        elif kind is RepetitionPenaltyLogitsProcessor:
-            if not isinstance(p.prompt_ignore_length, (torch.Tensor, type(None))):
-                return None, "repetition_penalty with an integer prompt_ignore_length"
-            if not left_padded:
-                return None, "repetition_penalty on rows that are not left padded"
-            penalty = float(p.penalty)
-        elif kind is MinLengthLogitsProcessor:
-            min_tokens = max(min_tokens, int(p.min_length) - input_length)
-            min_eos = _ids(p.eos_token_id)
-        elif kind is MinNewTokensLengthLogitsProcessor:
-            start = int(p.prompt_length_to_skip)
-            min_tokens = max(min_tokens, start + int(p.min_new_tokens) - input_length)
-            min_eos = _ids(p.eos_token_id)
-        else:
-            return None, f"logits processor {kind.__name__}"
-
-    max_length, stop_ids, stop_criterion = None, (), None
-    for c in criteria:
-        if type(c) is MaxLengthCriteria:
-            max_length = int(c.max_length)
-        elif type(c) is EosTokenCriteria:
-            stop_ids = _ids(c.eos_token_id)
-        elif type(c) is StopStringCriteria and stop_criterion is None:
-            stop_criterion = c
-        else:
-            return None, f"stopping criterion {type(c).__name__}"
-    if max_length is None:
-        return None, "no max_length"
-    if stop_criterion is not None and min_tokens > 0:
-        return None, "stop strings with a min length (HF matches them before it)"
-    if min_tokens > 0 and min_eos is not None and set(min_eos) != set(stop_ids):
-        return None, "min length masking ids other than the stop ids"
-    return NativePlan(
-        temperature=temperature if do_sample else 0.0,
-        top_k=top_k if do_sample else -1,
-        top_p=top_p if do_sample else 1.0,
-        min_p=min_p if do_sample else 0.0,
-        repetition_penalty=penalty,
-        # stock's loop always runs once, so a prompt at max_length still gets one token
-        max_tokens=max(1, max_length - input_length),
-        min_tokens=max(0, min_tokens),
-        stop_token_ids=stop_ids,
-        stop_criterion=stop_criterion,
-    ), None
+def _refuse(detail: str) -> Refusal:
+    """Why the engine's sampler can't run the call (it then samples outside the engine)."""
+    return Refusal("external_sampling", detail)
 
 
-def _warper_reason(p) -> str | None:
+def _warper_refusal(p) -> Refusal | None:
     if getattr(p, "min_tokens_to_keep", 1) != 1:
-        return f"{type(p).__name__} with min_tokens_to_keep={p.min_tokens_to_keep}"
+        return _refuse(f"{type(p).__name__} with min_tokens_to_keep={p.min_tokens_to_keep}")
     if getattr(p, "filter_value", _NEG_INF) != _NEG_INF:
-        return f"{type(p).__name__} with filter_value={p.filter_value}"
+        return _refuse(f"{type(p).__name__} with filter_value={p.filter_value}")
     return None
 
 
-def native_plan(call, vocab_size: int) -> NativePlan | None:
-    """``plan_native`` for a prepared generate call; None when it must sample externally (it
-    observes steps: a streamer, scores, user processors or criteria; or HF objects the engine's
-    sampler lacks; or it is a beam search, ``beam_search.py``)."""
-    if call.observed or call.beams:
-        return None
-    plan, _ = plan_native(
+def native_plan(call, vocab_size: int) -> NativePlan | Refusal:
+    """``NativePlan.from_processors`` for a prepared generate call, or a ``Refusal`` when it must
+    sample externally (it observes steps: a streamer, scores, user processors or criteria; or HF
+    objects the engine's sampler lacks; or it is a beam search, ``beam_search.py``)."""
+    if call.beams:
+        return _refuse("beam search runs its own loop")
+    if call.observed:
+        return _refuse("the caller observes every step (streamer, scores, processors, criteria)")
+    plan = NativePlan.from_processors(
         call.processors,
         call.criteria,
         do_sample=bool(call.generation_config.do_sample),
@@ -206,8 +227,10 @@ def native_plan(call, vocab_size: int) -> NativePlan | None:
         vocab_size=vocab_size,
         left_padded=call.left_padded,
     )
-    if plan is None or (plan.stop_criterion is not None and not _stop_strings_native(call, plan)):
-        return None
+    if isinstance(plan, Refusal):
+        return plan
+    if plan.stop_criterion is not None and not _stop_strings_native(call, plan):
+        return _refuse("stop strings the engine would match on other tokens than stock")
     return plan
 
 
@@ -226,70 +249,23 @@ def _stop_strings_native(call, plan: NativePlan) -> bool:
     return all(len(p) == width or len(p) + 1 >= window for p in call.prompts)
 
 
-@dataclass
-class NativeCall:
-    """A call the engine samples itself: its rows, its plan and its engine requests."""
+def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "rows",
+               num_beams: int = 1) -> None:  # fmt: skip
+    """The one "does it fit" check: ``PagedFallback`` when the engine would cut a row short, or
+    could not hold at once the KV that ``held`` says the call keeps.
 
-    input_ids: torch.Tensor  # [B, L] as given (rows repeated for num_return_sequences)
-    prompts: list[list[int]]  # per row: the attended tokens
-    pad_token_id: int | None
-    plan: NativePlan
-    requests: list[EngineRequest] = field(default_factory=list)
-
-    def sequences(self, new: list[list[int]]) -> torch.Tensor:
-        """Rows' new tokens -> stock's ``[B, L + T]`` (rows that stopped early padded)."""
-        n, width = len(new), max(len(t) for t in new)
-        pad = self.pad_token_id if self.pad_token_id is not None else 0  # unequal only with EOS
-        ids = self.input_ids
-        out = torch.full((n, ids.shape[1] + width), pad, dtype=ids.dtype, device=ids.device)
-        out[:, : ids.shape[1]] = ids
-        for i, toks in enumerate(new):
-            out[i, ids.shape[1] : ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=ids.dtype)
-        return out
-
-
-def plan_call(call, runtime, plan: NativePlan | None = None, spec=None) -> NativeCall | None:
-    """The engine-native form of a prepared call (``prepare.PreparedCall``, or ``plan`` for rows
-    whose preparation is known to give it), with its requests; None when it must sample
-    externally. ``spec``: an assisted call's proposer plan (``assisted.spec_plan``); prompt
-    lookup's proposer is attached to the requests here, a draft model's by the caller that holds
-    the draft engine (``paged_call.generate_paged``).
-
-    Seeds for sampled rows are drawn now from torch's global RNG, as stock's sampling would.
-
-    Raises:
-        PagedFallback: the engine would cut a row short, or (external) can't hold the batch, or
-            an assisted call needs processors the engine does not implement.
+    Args:
+        prompts: the rows' attended tokens.
+        max_new: new tokens per row at most.
+        runtime: the engine's ``RuntimeInfo`` (``max_model_len``, ``num_kv_blocks``, block size).
+        held: "rows" (native: the scheduler preempts and recomputes, so only the length counts),
+            "batch" (external sampling: every row of a step is paused at once holding its KV),
+            or "beams" (one row's ``num_beams`` beams at once, sharing the prompt: its longest
+            beam plus, per other beam, a private tail of ``max_new`` and the copied partial
+            block; less would recompute the row every step, beams beyond it are preempted).
     """
-    if plan is None:
-        plan = native_plan(call, runtime.vocab_size)
-        if spec is not None:  # speculative steps serve native plans only
-            if plan is None:
-                raise PagedFallback(
-                    "assisted_processors", "assisted decoding with logits processors or "
-                    "stopping criteria the engine does not implement",
-                )  # fmt: skip
-            plan = dataclasses.replace(plan, spec=spec)
-    check_fits(call.prompts, call.max_new_tokens if plan is None else plan.max_tokens, runtime,
-               native=plan is not None)  # fmt: skip
-    if plan is None:
-        return None
-    n = len(call.prompts)
-    # from torch's global RNG, so torch.manual_seed reproduces a call, as it does stock's
-    seeds = torch.randint(0, 2**62, (n,)).tolist() if plan.temperature > 0 else [None] * n
-    params = [plan.sampling_params(s) for s in seeds]
-    matcher = plan.stop_strings
-    proposer = ngram_proposer(plan.spec) if plan.spec and plan.spec.kind == "ngram" else None
-    requests = [
-        EngineRequest(p, sp, stop_strings=matcher, proposer=proposer)
-        for p, sp in zip(call.prompts, params, strict=True)
-    ]
-    return NativeCall(call.input_ids, call.prompts, call.pad_token_id, plan, requests)
-
-
-def check_fits(prompts: list[list[int]], max_new: int, runtime, native: bool) -> None:
-    """PagedFallback when the engine would cut a row short or (external path) could not hold
-    the whole batch's KV at once (every row of a step is paused at once holding its KV)."""
+    if held not in ("rows", "batch", "beams"):
+        raise ValueError(f"held={held!r} is not allowed: must be 'rows', 'batch' or 'beams'")
     prompt = max(len(p) for p in prompts)
     limit = runtime.max_model_len
     if prompt + max_new > limit:
@@ -304,13 +280,67 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, native: bool) ->
             f"max_new_tokens={max_new}), over the engine's max_model_len={limit}: {fix}, "
             "or build the engine with a larger max_model_len",
         )
-    if native:
+    block, have = runtime.config.kv_block_size, runtime.num_kv_blocks
+    if held == "batch":
+        need = sum(math.ceil((len(p) + max_new) / block) for p in prompts)
+        what = "the batch needs"
+    elif held == "beams":
+        tail = (num_beams - 1) * (math.ceil(max_new / block) + 1)
+        need = max(math.ceil((len(p) + max_new) / block) for p in prompts) + tail
+        what = f"one row's {num_beams} beams need"
+    else:
         return
-    block = runtime.config.kv_block_size
-    need = sum(math.ceil((len(p) + max_new) / block) for p in prompts)
-    if need > runtime.num_kv_blocks:
+    if need > have:
         raise PagedFallback(
-            "kv_cache",
-            f"the batch needs up to {need} KV blocks at once, the engine has "
-            f"{runtime.num_kv_blocks}",
+            "kv_cache", f"{what} up to {need} KV blocks at once, the engine has {have}"
         )
+
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+class PlanCache:
+    """Plans of calls that differ only in their prompt, keyed by everything else.
+
+    Only unpadded calls with a length limit (``max_new_tokens``, or ``max_length``, keyed as
+    ``max_length - L``) and no absolute ``min_length``, whose options are plain values, qualify:
+    then stock's processors and criteria depend on the prompt only through its width L, and every
+    length they hold is L plus a constant (max_length = L + max_new_tokens, min new tokens), which
+    the plan stores as the constant. Stop strings see no pads in such rows, whatever L is.
+    """
+
+    def __init__(self):
+        # key -> (plan, rows per input row, pad token id)
+        self._plans: dict[tuple, tuple[NativePlan, int, int | None]] = {}
+
+    def key(self, kwargs: dict, model) -> tuple | None:
+        """The call's key, or None when it must be prepared on its own."""
+        ids = kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        if ids is None or (mask is not None and not bool(mask.all())):
+            return None
+        if kwargs.get("max_new_tokens") is None and kwargs.get("max_length") is None:
+            return None
+        if kwargs.get("min_length") or getattr(model.generation_config, "min_length", 0):
+            return None
+        items = []
+        for k, v in sorted(kwargs.items()):
+            if k in ("input_ids", "attention_mask"):
+                continue
+            if k == "max_length" and isinstance(v, int):
+                v = ("relative", v - ids.shape[1])
+            if isinstance(v, _SIMPLE) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, _SIMPLE) for x in v)
+            ):
+                items.append((k, repr(v)))
+            elif k == "tokenizer":  # the same object for the whole run (stop strings)
+                items.append((k, id(v)))
+            else:  # a GenerationConfig, processors, criteria, a streamer: prepare every call
+                return None
+        return (ids.shape[0], tuple(items))
+
+    def get(self, key: tuple) -> tuple[NativePlan, int, int | None] | None:
+        return self._plans.get(key)
+
+    def put(self, key: tuple, value: tuple[NativePlan, int, int | None]) -> None:
+        self._plans[key] = value

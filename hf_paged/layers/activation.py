@@ -2,7 +2,7 @@
 
 On CUDA (with triton) one Triton launch (``hf_paged.kernels.fused_act``); elsewhere torch's ops.
 Before a block-scaled FP8 linear (``quant_group`` set by the model) the CUDA launch writes FP8
-with per-token-group scales instead (``kernels/fp8_fused_quant.py``) and returns an
+with per-token-group scales instead (``kernels/fp8/fp8_fused_quant.py``) and returns an
 ``Fp8Activation``; everywhere else the tensor, as before.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_paged.kernels import fp8_fused_quant, fused_act
+from hf_paged.kernels import fused_act
+from hf_paged.kernels.fp8 import fp8_fused_quant
 from hf_paged.layers.quantization.fp8_activation import Fp8Activation
 from hf_paged.layers.quantization.fp8_linear import quantizes_activations
 

@@ -4,7 +4,7 @@ On CUDA (with triton) each call is one Triton launch (``hf_paged.kernels.fused_n
 it runs the torch references, which are HF's ops one for one.
 
 Before a block-scaled FP8 linear (``quant_group`` set by the model) the norm on CUDA writes its
-output as FP8 with per-token-group scales in the same launch (``kernels/fp8_fused_quant.py``) and
+output as FP8 with per-token-group scales in the same launch (``kernels/fp8/fp8_fused_quant.py``) and
 returns an ``Fp8Activation`` that the FP8 layer multiplies as it is. Everywhere else (plain
 layers, CPU, ``HF_PAGED_FP8_GEMM=dequant|w8a8_ref``) it returns the tensor as before.
 """
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_paged.kernels import fp8_fused_quant, fused_norm
+from hf_paged.kernels import fused_norm
+from hf_paged.kernels.fp8 import fp8_fused_quant
 from hf_paged.kernels.fused_norm import fused_add_rms_norm_ref, rms_norm_ref
 from hf_paged.layers.linear import check_shape, read_shard
 from hf_paged.layers.quantization.fp8_activation import Fp8Activation

@@ -12,7 +12,7 @@ forward would apply, under the plain HF names (``...q_proj.weight``):
   adapters then); one that is disabled (``disable_adapter()``): its base weight;
 * a ``modules_to_save`` copy: the active adapter's copy, or the original when disabled.
 
-What the merged weights cannot reproduce is a named reason (``unsupported_reason``): prompt
+What the merged weights cannot reproduce is a ``Refusal`` (``unsupported_reason``): prompt
 learning (prompt/prefix/p-tuning), other tuner types (IA3, LoKr, OFT ...), LoRA variants (DoRA,
 aLoRA ...), per-row ``adapter_names``, a disabled layer whose adapter is merged (PEFT's forward
 would unmerge it, changing the weights), LoRA bias on a layer without one, and tuner layers on
@@ -31,6 +31,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from hf_paged.refusal import Refusal
 
 _LORA_BASE = "base_layer."
 
@@ -82,8 +84,8 @@ def tuner_modules(model: nn.Module) -> dict[str, nn.Module]:
 # ---- what can be served --------------------------------------------------------------------
 
 
-def unsupported_reason(model) -> tuple[str, str] | None:
-    """``(reason, detail)`` when merged weights can't reproduce the PEFT model's output."""
+def unsupported_reason(model) -> Refusal | None:
+    """Why merged weights can't reproduce the PEFT model's output, or None."""
     if is_peft_model(model):
         if any(c.is_prompt_learning for c in model.peft_config.values()):
             return _prompt_learning()
@@ -93,7 +95,9 @@ def unsupported_reason(model) -> tuple[str, str] | None:
         owner = getattr(override, "__self__", None)
         if is_peft_model(owner):
             return _prompt_learning()
-        return "prepare_inputs_override", "the model's prepare_inputs_for_generation is replaced"
+        return Refusal(
+            "prepare_inputs_override", "the model's prepare_inputs_for_generation is replaced"
+        )
     tuners = tuner_modules(model)
     if not tuners:
         return None
@@ -104,31 +108,31 @@ def unsupported_reason(model) -> tuple[str, str] | None:
     return _tied_reason(model, tuners)
 
 
-def _prompt_learning() -> tuple[str, str]:
-    return (
+def _prompt_learning() -> Refusal:
+    return Refusal(
         "peft_prompt_learning",
         "the PEFT model uses prompt learning (prompt/prefix/p-tuning), which changes the "
         "inputs, not the weights",
     )
 
 
-def _layer_reason(name: str, module: nn.Module) -> tuple[str, str] | None:
+def _layer_reason(name: str, module: nn.Module) -> Refusal | None:
     _, wrapper, lora = _peft_types()
     if isinstance(module, wrapper):
         if type(module).__name__ != "ModulesToSaveWrapper":
             kind = type(module).__name__.removesuffix("Wrapper")
-            return f"peft_{kind.lower()}", f"PEFT {type(module).__name__} on {name!r}"
+            return Refusal(f"peft_{kind.lower()}", f"PEFT {type(module).__name__} on {name!r}")
     elif type(module) not in (lora.Linear, lora.Embedding):
         kind = _tuner_kind(module)
-        return f"peft_{kind}", f"PEFT {kind} layer {type(module).__name__} on {name!r}"
+        return Refusal(f"peft_{kind}", f"PEFT {kind} layer {type(module).__name__} on {name!r}")
     elif module.disable_adapters and module.merged:
-        return (
+        return Refusal(
             "peft_disabled_merged",
             f"{name!r} has merged adapters {module.merged_adapters} but adapters are disabled "
             "(PEFT's forward would unmerge them)",
         )
     if module._forward_pre_hooks or module._forward_hooks:
-        return "peft_adapter_names", f"forward hooks on {name!r} (per-row adapter_names?)"
+        return Refusal("peft_adapter_names", f"forward hooks on {name!r} (per-row adapter_names?)")
     if not isinstance(module, wrapper) and not module.disable_adapters and not module.merged:
         return _lora_variant_reason(name, module)
     return None
@@ -142,19 +146,21 @@ def _tuner_kind(module: nn.Module) -> str:
     return type(module).__name__.lower()
 
 
-def _lora_variant_reason(name: str, module: nn.Module) -> tuple[str, str] | None:
+def _lora_variant_reason(name: str, module: nn.Module) -> Refusal | None:
     for adapter in _applied_adapters(module):
         variant = module.lora_variant.get(adapter)
         if variant is not None:
             kind = type(variant).__name__
             for suffix in ("LinearVariant", "EmbeddingVariant", "Variant"):
                 kind = kind.removesuffix(suffix)
-            return (
+            return Refusal(
                 f"peft_{kind.lower()}",
                 f"adapter {adapter!r} on {name!r} is a {kind} LoRA variant, not plain LoRA",
             )
         if module.lora_bias.get(adapter) and getattr(module.get_base_layer(), "bias", None) is None:
-            return "peft_lora_bias", f"adapter {adapter!r} adds a bias to {name!r}, which has none"
+            return Refusal(
+                "peft_lora_bias", f"adapter {adapter!r} adds a bias to {name!r}, which has none"
+            )
     return None
 
 
@@ -167,7 +173,7 @@ def _applied_adapters(module: nn.Module) -> list[str]:
     return [a for a in module.active_adapters if a in present]
 
 
-def _tied_reason(model: nn.Module, tuners: dict[str, nn.Module]) -> tuple[str, str] | None:
+def _tied_reason(model: nn.Module, tuners: dict[str, nn.Module]) -> Refusal | None:
     """A tuner layer on a weight that is tied to another (lm_head and embed_tokens): the
     engine holds one tensor for both, the PEFT model would adapt only one side."""
     names_of: dict[int, list[str]] = {}
@@ -175,7 +181,7 @@ def _tied_reason(model: nn.Module, tuners: dict[str, nn.Module]) -> tuple[str, s
         names_of.setdefault(id(p), []).append(name)
     for names in names_of.values():
         if len(names) > 1 and any(_owner(n, tuners)[0] is not None for n in names):
-            return "peft_tied_weights", f"a PEFT layer adapts tied weights {sorted(names)}"
+            return Refusal("peft_tied_weights", f"a PEFT layer adapts tied weights {sorted(names)}")
     return None
 
 
@@ -214,14 +220,12 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     the others are the model's own parameters.
 
     Raises:
-        ValueError: ``unsupported_reason`` has a reason (its detail is the message).
+        ValueError: ``unsupported_reason`` refuses the model (its detail is the message).
     """
     model = unwrap(model)
     reason = unsupported_reason(model)
     if reason is not None:
-        raise ValueError(
-            f"this PEFT model can't run on the paged engine: {reason[1]} [{reason[0]}]"
-        )
+        raise ValueError(f"this PEFT model can't run on the paged engine: {reason.tagged()}")
     for _, hf_name, value in _classify(model):
         if hf_name is not None:
             yield hf_name, value() if callable(value) else value

@@ -17,6 +17,7 @@ import torch
 
 from hf_paged.layers.context import ModelContext
 from hf_paged.models.protocol import PagedModel
+from hf_paged.refusal import Refusal
 
 MODEL_IMPLS = ("auto", "native", "generic")
 
@@ -118,18 +119,19 @@ def is_supported(hf_config, model_impl: str = "auto") -> bool:
     return True
 
 
-def unsupported_reason(hf_config, model_impl: str = "auto") -> str | None:
-    """Why the path ``model_impl`` picks cannot serve ``hf_config``, or None. Cheap: builds
-    nothing (the generic path's profile pass may still refuse a model when it is built)."""
+def unsupported_reason(hf_config, model_impl: str = "auto") -> Refusal | None:
+    """Why the path ``model_impl`` picks cannot serve ``hf_config`` (reason "architecture"), or
+    None. Cheap: builds nothing (the generic path's profile pass may still refuse a model when it
+    is built)."""
     try:
         cls = resolve_model_class(hf_config, model_impl)
     except ValueError as e:
-        return str(e)
+        return Refusal("architecture", str(e))
     check = getattr(cls, "unsupported_reason", None)
     return check(hf_config) if check is not None else None
 
 
-def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> str | None:
+def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> Refusal | None:
     """Why an in-memory model of class ``model_cls`` cannot be served, or None: the chosen path
     must serve its config and stand for exactly that class."""
     why = unsupported_reason(hf_config, model_impl)
@@ -139,13 +141,14 @@ def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> 
     hf_class = getattr(cls, "hf_class", None)  # the generic path: the HF class it builds
     built = hf_class(hf_config).__name__ if hf_class is not None else cls.__name__
     if model_cls.__name__ != built:
-        return (
-            f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})"
+        return Refusal(
+            "architecture",
+            f"{model_cls.__name__} is not the causal LM the engine builds for its config ({built})",
         )
     return None
 
 
-def tp_split_problem(hf_config, tp_size: int) -> str | None:
+def tp_split_problem(hf_config, tp_size: int) -> Refusal | None:
     """Why a model's attention heads do not split over ``tp_size`` ranks (None: they do), judged
     from the config alone, before any worker starts. Query heads must divide evenly; KV heads
     divide evenly or, when fewer than the ranks, replicate (``tp_size`` a multiple of them)."""
@@ -163,10 +166,11 @@ def tp_split_problem(hf_config, tp_size: int) -> str | None:
     if fits(tp_size):
         return None
     sizes = [t for t in range(1, heads + 1) if fits(t)]
-    return (
+    return Refusal(
+        "tensor_parallel_size",
         f"tensor_parallel_size={tp_size} is not allowed for this model: its "
         f"{heads} attention heads and {kv} KV heads do not split over {tp_size} ranks; "
-        f"tensor_parallel_size must be one of {sizes}"
+        f"tensor_parallel_size must be one of {sizes}",
     )
 
 

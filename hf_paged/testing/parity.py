@@ -48,7 +48,7 @@ def paged_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, 
         request ran its full length and every KV block came back.
     """
     from hf_paged.config import SamplingParams
-    from hf_paged.llm import LLM
+    from hf_paged.entrypoints.llm import LLM
 
     # min_tokens masks EOS like HF min_new_tokens, so both run the full new_tokens
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)

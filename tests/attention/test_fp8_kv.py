@@ -12,7 +12,7 @@ import torch
 
 from hf_paged import LLM, EngineConfig, SamplingParams
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
-from hf_paged.kernels.kv_store import store_kvcache_ref
+from hf_paged.kernels.attention.kv_store import store_kvcache_ref
 from hf_paged.testing import save_tiny_model
 
 

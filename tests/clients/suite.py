@@ -22,7 +22,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,10 +258,6 @@ def _run_entry(run: Run) -> dict:
 
 
 def _environment() -> dict:
-    sys.path.insert(0, str(REPO / "evaluation"))
-    try:
-        from workloads import environment
+    from hf_paged.benchmarks.workloads import environment
 
-        return environment()
-    finally:
-        sys.path.remove(str(REPO / "evaluation"))
+    return environment()

@@ -102,7 +102,7 @@ def commands(size, checkpoint, tasks, names, out, batch_size, dtype=None, limit=
     if limit is not None:
         args += ["--limit", limit]
     stock = [sys.executable, "-m", *args, "--output_path", out / "stock"]
-    paged = [sys.executable, "-m", "hf_paged.cli", "run", "-m", *args, "--output_path",
+    paged = [sys.executable, "-m", "hf_paged.entrypoints.cli", "run", "-m", *args, "--output_path",
              out / "paged"]  # fmt: skip
     return stock, paged
 

@@ -23,7 +23,7 @@ def test_hf_paged_run_on_an_unmodified_script(size, checkpoint, prompts, workroo
                 size.dtype, "--out", out / result]  # fmt: skip
 
     stock, paged = run_pair(size, "hf_script", [sys.executable, *cmd("stock.json")],
-                            [sys.executable, "-m", "hf_paged.cli", "run", *cmd("paged.json")],
+                            [sys.executable, "-m", "hf_paged.entrypoints.cli", "run", *cmd("paged.json")],
                             out)  # fmt: skip
     s = json.loads((out / "stock.json").read_text())
     p = json.loads((out / "paged.json").read_text())

@@ -3,7 +3,7 @@ activation quantization (tile and loop kernels, groups of 16 / 32 / 128 and one 
 a multiple of the group, row- and column-major scales), the block-scale GEMM and the decode GEMV
 (partial blocks in N and K, bias, column-major activation scales), and the quantizing producers
 (RMSNorm with and without the residual add, SiLU-and-mul). Runs as a child process
-(tests/kernels/interpret_utils.py); real shapes and speed: tests/kernels/test_fp8_gpu.py."""
+(tests/kernels/interpret_utils.py); real shapes and speed: tests/kernels/test_fp8_kernels.py."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _fp8_equal(q, q_ref) -> float:
 def _quant_case(m, k, group, column_major):
     import torch
 
-    from hf_paged.kernels.fp8_quant import per_token_group_quant, per_token_group_quant_ref
+    from hf_paged.kernels.fp8.fp8_quant import per_token_group_quant, per_token_group_quant_ref
 
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3
     x[0, :8] = 0.0  # a zero run: finite scales
@@ -66,7 +66,7 @@ def _quant_case(m, k, group, column_major):
 def _problem(m, n, k, block, bias, column_major):
     import torch
 
-    from hf_paged.kernels.fp8_quant import per_token_group_quant_ref
+    from hf_paged.kernels.fp8.fp8_quant import per_token_group_quant_ref
 
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g)
@@ -82,7 +82,7 @@ def _problem(m, n, k, block, bias, column_major):
 def _gemm_case(m, n, k, block, bias, config, column_major):
     import torch
 
-    from hf_paged.kernels.fp8_gemm import w8a8_block_matmul, w8a8_matmul_ref
+    from hf_paged.kernels.fp8.fp8_gemm import w8a8_block_matmul, w8a8_matmul_ref
 
     x_q, x_s, w, w_s, b = _problem(m, n, k, block, bias, column_major)
     out = w8a8_block_matmul(x_q, x_s, w, w_s, block, torch.float32, b, config=config)
@@ -93,8 +93,8 @@ def _gemm_case(m, n, k, block, bias, config, column_major):
 def _gemv_case(m, n, k, block, bias, config, column_major):
     import torch
 
-    from hf_paged.kernels.fp8_gemm import w8a8_matmul_ref
-    from hf_paged.kernels.fp8_gemv import fp8_gemv
+    from hf_paged.kernels.fp8.fp8_gemm import w8a8_matmul_ref
+    from hf_paged.kernels.fp8.fp8_gemv import fp8_gemv
 
     x_q, x_s, w, w_s, b = _problem(m, n, k, block, bias, column_major)
     out = fp8_gemv(x_q, x_s, w, w_s, block, torch.float32, b, config=config)
@@ -105,7 +105,7 @@ def _gemv_case(m, n, k, block, bias, config, column_major):
 def _norm_case(t, h, group, residual):
     import torch
 
-    from hf_paged.kernels.fp8_fused_quant import rms_norm_quant, rms_norm_quant_ref
+    from hf_paged.kernels.fp8.fp8_fused_quant import rms_norm_quant, rms_norm_quant_ref
 
     g = torch.Generator().manual_seed(t * h)
     x = torch.randn(t, h, generator=g) * 2
@@ -122,7 +122,7 @@ def _norm_case(t, h, group, residual):
 def _act_case(t, inter, group):
     import torch
 
-    from hf_paged.kernels.fp8_fused_quant import silu_and_mul_quant, silu_and_mul_quant_ref
+    from hf_paged.kernels.fp8.fp8_fused_quant import silu_and_mul_quant, silu_and_mul_quant_ref
 
     x = torch.randn(t, 2 * inter, generator=torch.Generator().manual_seed(t + inter)) * 3
     q, s = silu_and_mul_quant(x, group)
@@ -180,8 +180,8 @@ def test_quantizing_producers_match_reference(results, name):
 def test_block_gemm_rejects_what_it_cannot_take():
     import torch
 
-    from hf_paged.kernels.fp8_gemm import block_gemm_problem
-    from hf_paged.kernels.fp8_gemv import problem
+    from hf_paged.kernels.fp8.fp8_gemm import block_gemm_problem
+    from hf_paged.kernels.fp8.fp8_gemv import problem
 
     x = torch.zeros(2, 64, dtype=torch.float8_e4m3fn)
     w = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)

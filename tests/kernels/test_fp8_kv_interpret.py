@@ -22,7 +22,7 @@ def _caches(num_blocks=8, block=8, kv_heads=2, d=32, seed=0):
 def _store_case():
     import torch
 
-    from hf_paged.kernels.kv_store import store_kvcache, store_kvcache_ref
+    from hf_paged.kernels.attention.kv_store import store_kvcache, store_kvcache_ref
 
     g = torch.Generator().manual_seed(1)
     k = torch.randn(6, 2, 32, generator=g) * 100  # some values past e4m3's 448: clamped
@@ -39,7 +39,7 @@ def _store_case():
 def _decode_case():
     import torch
 
-    from hf_paged.kernels.paged_decode import paged_decode, paged_decode_ref
+    from hf_paged.kernels.attention.paged_decode import paged_decode, paged_decode_ref
 
     k, v = _caches()
     q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(2))
@@ -53,7 +53,7 @@ def _decode_case():
 def _prefill_case():
     import torch
 
-    from hf_paged.kernels.paged_prefill import paged_prefill, paged_prefill_ref
+    from hf_paged.kernels.attention.paged_prefill import paged_prefill, paged_prefill_ref
 
     k, v = _caches()
     q = torch.randn(20, 4, 32, generator=torch.Generator().manual_seed(3))

@@ -5,7 +5,7 @@ fused kernel switched in.
 As in tests/kernels/test_kernels_interpret.py, ``TRITON_INTERPRET=1`` must be set before triton is
 imported, so every check runs in one child process (this file run as a script) that prints
 ``{case: relative_error}`` as JSON. The interpreter rounds fp32 -> bf16 by truncation (the GPU
-rounds to nearest even), so bf16 is only checked on the GPU (tests/kernels/test_fused_kernels_gpu.py);
+rounds to nearest even), so bf16 is only checked on the GPU (tests/kernels/test_fused_kernels.py);
 fp16 casts round to nearest here, which checks that the kernels round where torch does.
 """
 
@@ -127,7 +127,7 @@ def case_rope_store(dt, num_tokens, num_heads, num_kv_heads, head_dim, norm):
     import torch
 
     from hf_paged.kernels import fused_rope
-    from hf_paged.kernels.kv_store import store_kvcache_ref
+    from hf_paged.kernels.attention.kv_store import store_kvcache_ref
 
     dtype = _dtype(dt)
     _, q, k, v, cos, sin, weights = _rope_inputs(

@@ -4,7 +4,7 @@
 module may already have imported triton in this process, so every check runs in one child
 process (this file run as a script) that prints ``{case: max_abs_error}`` as JSON; the tests
 here just read that table. Numerics of fp16/bf16 and speed are checked on the GPU
-(tests/kernels/test_kernels_gpu.py).
+(tests/kernels/test_paged_attention_kernels.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _max_err(out, ref):
 def case_store(num_kv_heads, head_dim):
     import torch
 
-    from hf_paged.kernels.kv_store import store_kvcache, store_kvcache_ref
+    from hf_paged.kernels.attention.kv_store import store_kvcache, store_kvcache_ref
 
     gen = torch.Generator().manual_seed(1)
     num_tokens, block_size = 21, 16
@@ -74,7 +74,7 @@ def case_store(num_kv_heads, head_dim):
 def case_decode(group, num_partitions, window=None, block_size=16, lens=DECODE_LENS):
     import torch
 
-    from hf_paged.kernels.paged_decode import paged_decode, paged_decode_ref
+    from hf_paged.kernels.attention.paged_decode import paged_decode, paged_decode_ref
 
     num_kv_heads = 2
     q, kc, vc, bt, _, ctx, _ = _batch([(1, n) for n in lens], group * num_kv_heads, num_kv_heads,
@@ -88,7 +88,7 @@ def case_decode_padding():
     """CUDA-graph padding rows: context_len 0 gives zeros, with and without split-K."""
     import torch
 
-    from hf_paged.kernels.paged_decode import paged_decode
+    from hf_paged.kernels.attention.paged_decode import paged_decode
 
     q, kc, vc, bt, _, ctx, _ = _batch([(1, 200), (1, 1), (1, 1)], 4, 2)
     ctx[1:] = 0
@@ -102,7 +102,7 @@ def case_decode_padding():
 def case_prefill(group, window=None, block_size=16, seqs=PREFILL_SEQS, num_kv_heads=2, seed=0):
     import torch
 
-    from hf_paged.kernels.paged_prefill import paged_prefill, paged_prefill_ref
+    from hf_paged.kernels.attention.paged_prefill import paged_prefill, paged_prefill_ref
 
     q, kc, vc, bt, cu, ctx, max_q = _batch(seqs, group * num_kv_heads, num_kv_heads,
                                            block_size=block_size, seed=seed)  # fmt: skip
@@ -130,8 +130,8 @@ def case_backend():
 
     from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
     from hf_paged.attention.triton_backend import TritonBackend
-    from hf_paged.kernels.paged_decode import paged_decode_ref
-    from hf_paged.kernels.paged_prefill import paged_prefill_ref
+    from hf_paged.kernels.attention.paged_decode import paged_decode_ref
+    from hf_paged.kernels.attention.paged_prefill import paged_prefill_ref
 
     spec = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125)
     seqs = [(20, 20), (7, 40)]  # a fresh prompt and a chunk over 33 cached tokens

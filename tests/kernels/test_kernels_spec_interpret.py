@@ -95,7 +95,7 @@ def case_decode_split(spec, sinks, num_partitions, lens=DECODE_LENS):
     """Split-K decode (main kernel + reduce) vs the reference over the same cache."""
     from hf_paged.attention.torch_ref import TorchRefBackend
     from hf_paged.attention.triton_backend import TritonBackend
-    from hf_paged.kernels.paged_decode import paged_decode
+    from hf_paged.kernels.attention.paged_decode import paged_decode
 
     q, k, v, kc, vc, meta = _paged([(1, n) for n in lens], spec)
     s = _sinks(spec, sinks)
@@ -111,7 +111,7 @@ def case_decode_padding_rows(sinks):
     """CUDA-graph padding rows (context_len 0) give zeros with sinks, with and without split-K."""
     import torch
 
-    from hf_paged.kernels.paged_decode import paged_decode
+    from hf_paged.kernels.attention.paged_decode import paged_decode
 
     spec = _spec(4, 2, 24, 16, softcap=3.0)
     q, _, _, kc, vc, meta = _paged([(1, 100), (1, 1)], spec)

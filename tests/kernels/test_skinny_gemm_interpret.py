@@ -1,7 +1,7 @@
 """Skinny GEMM (decode-batch linear layers) vs ``F.linear`` under Triton's CPU interpreter, fp16:
 row counts 1..16, N and K that are not multiples of the tiles, bias, a strided weight view.
 Runs as a child process like tests/kernels/test_kernels_interpret.py; GPU cases (bf16, the real
-shapes) are in tests/kernels/test_skinny_gemm_gpu.py."""
+shapes) are in tests/kernels/test_skinny_gemm.py."""
 
 from __future__ import annotations
 

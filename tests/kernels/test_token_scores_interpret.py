@@ -3,7 +3,7 @@ of the whole row) under Triton's CPU interpreter, in a child process like
 tests/kernels/test_argmax_interpret.py: fp32 / bf16 / fp16 rows, V across block boundaries and
 below one block, strided rows, ties with the target (lower and higher ids), the target as the
 maximum, ``-inf`` columns, top k. GPU cases at the Qwen3 vocabulary are in
-tests/kernels/test_token_scores_gpu.py."""
+tests/kernels/test_token_scores_kernels.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The FP8 linear layer's GEMM choice and its W8A8 reference, on CPU: the path table
-(``kernels/fp8_paths.py``) and ``gemm_path``'s rules (the device facts faked), the layout the
+(``kernels/fp8/fp8_paths.py``) and ``gemm_path``'s rules (the device facts faked), the layout the
 cuBLASLt block-wise call passes (checked by torch's own meta kernel of ``F.scaled_mm``), the W8A8
 reference against the kernel-level references, ``fp8_linear`` on quantized activations
 (``Fp8Activation``), and the row-wise ``torch._scaled_mm`` path (compressed-tensors), which
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hf_paged import envs
-from hf_paged.kernels import fp8_paths, fp8_scaled_mm
-from hf_paged.kernels.fp8_gemm import w8a8_matmul_ref, w8a8_rowwise_matmul
-from hf_paged.kernels.fp8_quant import empty_scales, per_token_group_quant_ref
+from hf_paged.kernels.fp8 import fp8_paths, fp8_scaled_mm
+from hf_paged.kernels.fp8.fp8_gemm import w8a8_matmul_ref, w8a8_rowwise_matmul
+from hf_paged.kernels.fp8.fp8_quant import empty_scales, per_token_group_quant_ref
 from hf_paged.layers.quantization import fp8_linear as fl
 from hf_paged.layers.quantization.fp8_activation import Fp8Activation
 from hf_paged.layers.quantization.w8a8_reference import w8a8_linear_ref

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 import hf_paged
 from hf_paged import LLM, PagedFallbackWarning, SamplingParams
-from hf_paged.kernels.fp8_gemm import dequantize_ref
+from hf_paged.kernels.fp8.fp8_gemm import dequantize_ref
 from hf_paged.layers.quantization.fp8_checkpoints import (
     load_finegrained_fp8,
     save_compressed_tensors_fp8,

@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from hf_paged import LLM
-from hf_paged.cli import main
+from hf_paged.entrypoints.cli import main
 from hf_paged.integration.pipeline import (
     install_pipeline,
     is_pipeline_installed,

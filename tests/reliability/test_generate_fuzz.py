@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from hf_paged.integration import dispatch, paged_call
 from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.integration.route import Beams, Native
 from hf_paged.testing import (
     SMALL_ENGINE,
     build_hf_model,
@@ -49,19 +50,20 @@ def model():
     m = build_hf_model("llama", seed=0)
     dispatch.configure(m, **SMALL_ENGINE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_call, "plan_call", _counting(paged_call.plan_call))
+        patch.setattr(paged_call, "route", _counting(paged_call.route))
         yield m
     dispatch.release(m)
     torch.set_num_threads(previous)
 
 
-def _counting(plan_call):
-    """``plan_call`` that tallies which sampling path (engine-native or external) each call took."""
+def _counting(route):
+    """``route`` that tallies which sampling path (engine-native or external) each call took."""
 
-    def wrapped(call, runtime, plan=None, spec=None):
-        native = plan_call(call, runtime, plan, spec=spec)
-        TALLY["external" if native is None else "native"] += 1
-        return native
+    def wrapped(*args, **kwargs):
+        way = route(*args, **kwargs)
+        if not isinstance(way, Beams):
+            TALLY["native" if isinstance(way, Native) else "external"] += 1
+        return way
 
     return wrapped
 

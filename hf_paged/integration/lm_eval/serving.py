@@ -27,9 +27,9 @@ def check_served(lm) -> None:
         raise PagedFallback("data_parallel", f"lm-eval runs {lm.world_size} ranks")
     if getattr(lm, "mixed_precision_dtype", None) is not None:
         raise PagedFallback("autocast", f"mixed_precision_dtype={lm.mixed_precision_dtype}")
-    fb = servable.precheck(lm.model, {}, {})
-    if fb is not None:
-        raise fb
+    refusal = servable.precheck(lm.model, {}, {})
+    if refusal is not None:
+        raise PagedFallback.of(refusal)
 
 
 # prompt-scoring steps: long prompts run in fewer, larger steps (evaluation/results/

@@ -147,12 +147,9 @@ def _default_paged(signature, args, kwargs) -> dict:
 
 
 def _build(original, bound, backend, paged_config):
-    from hf_paged.integration.auto import (
-        AutoPagedModelForCausalLM,
-        PagedModelForCausalLM,
-        quantized_checkpoint_reason,
-    )
+    from hf_paged.integration.auto import AutoPagedModelForCausalLM, PagedModelForCausalLM
     from hf_paged.models.peft import is_adapter_dir
+    from hf_paged.models.servable import checkpoint_refusal as quantized_checkpoint_reason
 
     a = bound.arguments
     task, model = a.get("task"), a.get("model")

@@ -1,7 +1,7 @@
 """An activation already quantized to FP8 by the layer that produced it.
 
 RMSNorm before q/k/v and gate/up, and SiLU-and-mul before down, can write their output straight
-as float8 values with per-token-group scales (``kernels/fp8_fused_quant.py``) when the next layer
+as float8 values with per-token-group scales (``kernels/fp8/fp8_fused_quant.py``) when the next layer
 is an FP8 linear with dynamic activations (block-scaled: groups of ``weight_block_size[1]``;
 row-wise, compressed-tensors: RMSNorm only, one scale per token): one kernel instead of a norm
 and a quantization pass. They hand
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.kernels.fp8_quant import dequantize_activation_ref
+from hf_paged.kernels.fp8.fp8_quant import dequantize_activation_ref
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ rank not a multiple of ``bk``) is refused by name when the layer is built.
 
 The GEMM (:func:`fp8_linear`, path by :func:`gemm_path`): on CUDA with compute capability
 >= 8.9, the activation is quantized per token (per group of ``bk`` with block scales, scales
-column-major; ``kernels/fp8_quant.py``), unless its producer handed it over quantized
+column-major; ``kernels/fp8/fp8_quant.py``), unless its producer handed it over quantized
 (``Fp8Activation``), and multiplied by the path the measured table picks for the shape and row
-count (``kernels/fp8_paths.json``): cuBLASLt block-wise (``kernels/fp8_scaled_mm.py``), the
-Triton block kernel (``kernels/fp8_gemm.py``) or the decode GEMV (``kernels/fp8_gemv.py``);
+count (``kernels/fp8/fp8_paths.json``): cuBLASLt block-wise (``kernels/fp8/fp8_scaled_mm.py``), the
+Triton block kernel (``kernels/fp8/fp8_gemm.py``) or the decode GEMV (``kernels/fp8/fp8_gemv.py``);
 row-wise scales (compressed-tensors) go through ``torch._scaled_mm``. Every path computes the
 W8A8 reference (``w8a8_reference.py``) up to summation order and output rounding. Elsewhere
 "dequant": the weight dequantized for the call, then the model-dtype GEMM, which is what
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hf_paged import envs
-from hf_paged.kernels import fp8_gemm, fp8_gemv, fp8_paths, fp8_quant, fp8_scaled_mm
+from hf_paged.kernels.fp8 import fp8_gemm, fp8_gemv, fp8_paths, fp8_quant, fp8_scaled_mm
 from hf_paged.layers.quantization.fp8_activation import Fp8Activation
 from hf_paged.layers.quantization.fp8_config import Fp8Config
 from hf_paged.layers.quantization.w8a8_reference import w8a8_linear_ref
@@ -200,7 +200,7 @@ def _block_path_ok(path: str, m: int, n: int, k: int, device, dtype, block) -> b
 def gemm_path(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, block) -> str:
     """Which GEMM :func:`fp8_linear` runs for ``m`` rows of a ``[n, k]`` weight: one of
     ``PATHS``. ``HF_PAGED_FP8_GEMM`` (``hf_paged/envs.py``) may name one; otherwise, on CUDA
-    with FP8 GEMMs, block-scaled weights take the measured choice of ``kernels/fp8_paths.json``
+    with FP8 GEMMs, block-scaled weights take the measured choice of ``kernels/fp8/fp8_paths.json``
     (default: "cublaslt" where it takes the shape, else "triton"), row-wise ones "rowwise"."""
     forced = envs.HF_PAGED_FP8_GEMM
     if forced in ("w8a8_ref", "dequant"):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_paged.kernels.fp8_gemm import dequantize_ref
-from hf_paged.kernels.fp8_quant import (
+from hf_paged.kernels.fp8.fp8_gemm import dequantize_ref
+from hf_paged.kernels.fp8.fp8_quant import (
     dequantize_activation_ref,
     per_token_group_quant_ref,
     static_quant_ref,

@@ -34,6 +34,7 @@ from hf_paged.models.generic.support import (
 )
 from hf_paged.models.generic.tp import apply_tp_plan
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
+from hf_paged.refusal import Refusal
 
 
 class GenericForCausalLM(nn.Module):
@@ -82,7 +83,7 @@ class GenericForCausalLM(nn.Module):
         return cls(hf_config, ctx, dtype, device)
 
     @staticmethod
-    def unsupported_reason(hf_config) -> str | None:
+    def unsupported_reason(hf_config) -> Refusal | None:
         """Why the generic path refuses ``hf_config`` before building it, or None."""
         return static_reason(hf_config)
 

@@ -12,6 +12,7 @@ import inspect
 import sys
 
 from hf_paged.models.protocol import UnsupportedModelError
+from hf_paged.refusal import Refusal
 
 # config keys whose truthy value means layers the paged attention cannot run
 _REFUSED_CONFIG_KEYS = {
@@ -50,9 +51,15 @@ def resolve_hf_class(hf_config):
     return getattr(transformers, name)
 
 
-def static_reason(hf_config) -> str | None:
-    """Why the generic path refuses ``hf_config`` without building it, or None. What depends
-    on the engine's ``max_model_len`` (``length_reason``) is checked when the model is built."""
+def static_reason(hf_config) -> Refusal | None:
+    """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
+    or None. What depends on the engine's ``max_model_len`` (``length_reason``) is checked when
+    the model is built."""
+    why = _static_why(hf_config)
+    return None if why is None else Refusal("architecture", why)
+
+
+def _static_why(hf_config) -> str | None:
     try:
         cls = resolve_hf_class(hf_config)
     except UnsupportedModelError as e:
@@ -113,7 +120,7 @@ def _chunk_size(text) -> int | None:
     return getattr(text, "attention_chunk_size", None) or None
 
 
-def length_reason(hf_config, max_model_len: int | None) -> str | None:
+def length_reason(hf_config, max_model_len: int | None) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` for sequences of up to ``max_model_len``
     tokens (None: not known, which refuses what depends on it), or None.
 
@@ -130,18 +137,20 @@ def length_reason(hf_config, max_model_len: int | None) -> str | None:
     name = resolve_hf_class(hf_config).__name__
     chunk = _chunk_size(text)
     if chunk and (max_model_len is None or max_model_len > chunk):
-        return (
+        return Refusal(
+            "architecture",
             f"{name} has chunked attention (attention_chunk_size={chunk}), served only while one "
-            f"chunk holds the whole sequence: max_model_len={max_model_len} must be <= {chunk}"
+            f"chunk holds the whole sequence: max_model_len={max_model_len} must be <= {chunk}",
         )
     floor_scale = getattr(text, "floor_scale", None)
     nope = 0 in (getattr(text, "no_rope_layers", None) or [])
     if getattr(text, "attn_temperature_tuning", False) and nope and floor_scale:
         if max_model_len is None or max_model_len >= floor_scale:
-            return (
+            return Refusal(
+                "architecture",
                 f"{name} has attention temperature tuning on NoPE layers (floor_scale="
                 f"{floor_scale}), served only while it scales by 1: max_model_len="
-                f"{max_model_len} must be < {floor_scale}"
+                f"{max_model_len} must be < {floor_scale}",
             )
     return None
 
@@ -151,4 +160,4 @@ def check_supported(hf_config, max_model_len: int | None = None) -> None:
     (for an engine of ``max_model_len`` tokens; None: not known), if any."""
     reason = static_reason(hf_config) or length_reason(hf_config, max_model_len)
     if reason is not None:
-        raise UnsupportedModelError(reason)
+        raise UnsupportedModelError(reason.detail)

@@ -9,12 +9,8 @@ is its token count).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from hf_paged.testing import build_char_tokenizer, save_tiny_model
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def main() -> None:
@@ -28,8 +24,7 @@ def main() -> None:
         return
     import torch
 
-    sys.path.insert(0, str(REPO / "evaluation"))
-    from workloads import build_random_model
+    from hf_paged.benchmarks.workloads import build_random_model
 
     model = build_random_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16)
     model.save_pretrained(args.out)

@@ -9,7 +9,7 @@ import json
 import ray
 
 from hf_paged import SamplingParams
-from hf_paged.ray import map_generate
+from hf_paged.entrypoints.ray import map_generate
 
 
 def main() -> None:

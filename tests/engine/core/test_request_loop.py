@@ -204,7 +204,7 @@ def test_tensor_prompts(llm):
 
 
 def test_llm_bar_counts_tokens_per_step(llm, monkeypatch):
-    import hf_paged.llm as llm_mod
+    import hf_paged.entrypoints.llm as llm_mod
 
     bars = []
 

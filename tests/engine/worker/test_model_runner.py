@@ -1,6 +1,6 @@
 """The runner's spec records every HF_PAGED_* switch (hf_paged/envs.py), and a runner runs with
 the values its spec records, whatever its own process read (that is how TP workers get rank 0's
-values: tests/tp/test_envs_tp.py)."""
+values: tests/engine/worker/tp/test_envs_tp.py)."""
 
 from __future__ import annotations
 

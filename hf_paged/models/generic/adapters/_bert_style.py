@@ -18,36 +18,40 @@ from torch import nn
 
 from hf_paged.models.generic.attention import paged_attention_forward
 from hf_paged.models.protocol import UnsupportedModelError
+from hf_paged.refusal import Refusal
 
 
 @functools.cache
-def bidirectional_reason(base_model_cls: type) -> str | None:
+def bidirectional_reason(base_model_cls: type) -> Refusal | None:
     """Why ``base_model_cls`` (the base model of a BERT-style causal LM) is not causal on the
-    installed transformers, or None: its forward must build its mask with
-    ``create_causal_mask`` for decoders."""
+    installed transformers (reason "architecture"), or None: its forward must build its mask
+    with ``create_causal_mask`` for decoders."""
     try:
         source = inspect.getsource(base_model_cls.forward)
     except (OSError, TypeError):
-        return f"{base_model_cls.__name__}'s forward cannot be read to check its mask"
+        return Refusal(
+            "architecture", f"{base_model_cls.__name__}'s forward cannot be read to check its mask"
+        )
     if "create_causal_mask" in source:
         return None
     import transformers
 
-    return (
+    return Refusal(
+        "architecture",
         f"{base_model_cls.__name__} builds a bidirectional attention mask for decoders on "
         f"transformers {transformers.__version__} (its causal LM attends to later prompt "
-        "tokens); the paged attention is causal"
+        "tokens); the paged attention is causal",
     )
 
 
 def check_causal_self_attention(
-    module: nn.Module, encoder_hidden_states, reason: str | None, is_decoder: bool | None = None
+    module: nn.Module, encoder_hidden_states, reason: Refusal | None, is_decoder: bool | None = None
 ) -> None:
     """Raise ``UnsupportedModelError`` unless ``module`` runs as causal self-attention
     (``is_decoder`` defaults to the module's own ``is_decoder``)."""
     name = type(module).__name__
     if reason is not None:
-        raise UnsupportedModelError(reason)
+        raise UnsupportedModelError(reason.detail)
     if is_decoder is None:
         is_decoder = getattr(module, "is_decoder", False)
     if not is_decoder:

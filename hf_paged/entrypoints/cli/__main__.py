@@ -1,0 +1,5 @@
+"""``python -m hf_paged.entrypoints.cli``: the ``hf-paged`` command."""
+
+from hf_paged.entrypoints.cli import main
+
+raise SystemExit(main())

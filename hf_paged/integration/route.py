@@ -1,0 +1,181 @@
+"""The one route of a paged ``generate`` call: prepare -> beams? -> speculation -> plan -> fit ->
+requests. Every front end takes it: ``paged_call.generate_paged`` (the dispatcher,
+``PagedModelForCausalLM``) for one call, and the many-prompt front ends (the streaming pipeline,
+``paged_generate_map``, lm-eval's ``generate_until``) for each call whose rows they run together
+with other calls' rows in one engine run.
+
+A call goes one of three ways:
+
+* ``Native``: the engine samples every row itself (the processors and criteria are ones its
+  sampler implements and nobody observes a step); its rows are engine requests. Assisted
+  decoding is a native call whose plan has a ``spec``: its requests carry a proposer, attached
+  here and nowhere else.
+* ``External``: stock ``_sample``'s loop body runs on the engine's logits (``external.py``).
+* ``Beams``: stock ``_beam_search``'s loop body runs on the engine's forked beams
+  (``beam_search.py``).
+
+What none of them can reproduce raises ``PagedFallback`` before a request is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.integration.assisted import draft_proposer, ngram_proposer, spec_plan
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.plan import NativePlan, PlanCache, SpecPlan, check_fits, native_plan
+from hf_paged.integration.prepare import PreparedCall, prepare_call
+from hf_paged.refusal import Refusal
+
+
+@dataclass
+class Native:
+    """Rows the engine samples itself: their plan and their engine requests."""
+
+    input_ids: torch.Tensor  # [B, L] as given (rows repeated for num_return_sequences)
+    prompts: list[list[int]]  # per row: the attended tokens
+    pad_token_id: int | None
+    plan: NativePlan
+    requests: list[EngineRequest] = field(default_factory=list)
+    call: PreparedCall | None = None  # the prepared call (None: its plan came from a PlanCache)
+
+    @property
+    def spec(self) -> SpecPlan | None:
+        """The proposer's plan when the call is assisted (speculative steps), else None."""
+        return self.plan.spec
+
+    def sequences(self, new: list[list[int]]) -> torch.Tensor:
+        """Rows' new tokens -> stock's ``[B, L + T]`` (rows that stopped early padded)."""
+        n, width = len(new), max(len(t) for t in new)
+        pad = self.pad_token_id if self.pad_token_id is not None else 0  # unequal only with EOS
+        ids = self.input_ids
+        out = torch.full((n, ids.shape[1] + width), pad, dtype=ids.dtype, device=ids.device)
+        out[:, : ids.shape[1]] = ids
+        for i, toks in enumerate(new):
+            out[i, ids.shape[1] : ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=ids.dtype)
+        return out
+
+
+@dataclass
+class External:
+    """A call that samples outside the engine, step by step (``external.run_external``)."""
+
+    call: PreparedCall
+
+
+@dataclass
+class Beams:
+    """A ``num_beams > 1`` call: beam search or beam sampling (``beam_search.generate_beams``)."""
+
+    call: PreparedCall
+
+
+@dataclass(frozen=True)
+class DraftHold:
+    """What lets a route hold an assistant model's engine for one call (``generate_paged``)."""
+
+    stack: contextlib.ExitStack  # the assistant's engine is held until the stack closes
+    engine: Callable[[], object]  # the model's own engine
+    hold_engine: Callable | None = None  # HF model -> context manager yielding its engine
+
+
+def route(
+    model,
+    generate_kwargs: dict,
+    runtime_of: Callable[[], object],
+    *,
+    cache: PlanCache | None = None,
+    drafts: DraftHold | None = None,
+) -> Native | External | Beams:
+    """The way one ``generate`` call (stock's arguments, bound by name) runs on the engine.
+
+    Args:
+        model: what stock's preparation runs on (the HF model, or a meta-device skeleton).
+        generate_kwargs: the call's arguments.
+        runtime_of: returns the engine's ``RuntimeInfo``; called once the call is prepared and
+            its engine-free refusals are passed, so a call stock rejects builds no engine.
+        cache: plans of earlier calls that differed only in their prompt (many-prompt front
+            ends); a hit skips the preparation.
+        drafts: where an assistant model's engine is held; without it an assistant model is
+            refused (its engine is held for one call at a time).
+
+    Raises:
+        PagedFallback: the call needs stock ``generate``, or a row would not fit the engine.
+        ValueError / TypeError: what stock raises for the same arguments.
+    """
+    key = cache.key(generate_kwargs, model) if cache is not None else None
+    hit = cache.get(key) if key is not None else None
+    if hit is not None:
+        plan, rows_per_input, pad = hit
+        ids = generate_kwargs["input_ids"].repeat_interleave(rows_per_input, dim=0)
+        return _native(ids, ids.tolist(), pad, plan, runtime_of())
+    call = prepare_call(model, **generate_kwargs)
+    if call.beams:
+        return Beams(call)
+    spec = spec_plan(call) if call.assisted else None  # its refusals need no engine
+    if spec is not None and spec.kind == "draft" and drafts is None:
+        raise PagedFallback(
+            "assisted_rows", "an assistant model drafts for one generate call at a time"
+        )
+    runtime = runtime_of()
+    plan = native_plan(call, runtime.vocab_size)
+    if isinstance(plan, Refusal):
+        if spec is not None:  # speculative steps serve native plans only
+            raise PagedFallback(
+                "assisted_processors", "assisted decoding with logits processors or stopping "
+                "criteria the engine does not implement",
+            )  # fmt: skip
+        check_fits(call.prompts, call.max_new_tokens, runtime, held="batch")
+        return External(call)
+    if spec is not None:
+        plan = dataclasses.replace(plan, spec=spec)
+    native = _native(
+        call.input_ids, call.prompts, call.pad_token_id, plan, runtime, call.assistant_model, drafts
+    )
+    native.call = call
+    if key is not None:
+        rows_per_input = len(call.prompts) // generate_kwargs["input_ids"].shape[0]
+        cache.put(key, (native.plan, rows_per_input, call.pad_token_id))
+    return native
+
+
+def _native(input_ids, prompts, pad_token_id, plan: NativePlan, runtime, assistant=None,
+            drafts: DraftHold | None = None) -> Native:  # fmt: skip
+    """The rows' requests, with the plan's proposer if it has one. Seeds for sampled rows are
+    drawn now from torch's global RNG (so ``torch.manual_seed`` reproduces a call, as it does
+    stock's)."""
+    check_fits(prompts, plan.max_tokens, runtime, held="rows")
+    n = len(prompts)
+    seeds = torch.randint(0, 2**62, (n,)).tolist() if plan.temperature > 0 else [None] * n
+    matcher = plan.stop_strings
+    requests = [
+        EngineRequest(p, plan.sampling_params(s), stop_strings=matcher)
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+    native = Native(input_ids, prompts, pad_token_id, plan, requests)
+    if plan.spec is not None:
+        _attach_proposer(native, assistant, drafts)
+    return native
+
+
+def _attach_proposer(native: Native, assistant, drafts: DraftHold | None) -> None:
+    """Give every request the call's proposer: prompt lookup's (state per sequence), or one over
+    the assistant model's engine, held on ``drafts.stack`` until the call ends."""
+    spec = native.spec
+    if spec.kind == "ngram":
+        proposer = ngram_proposer(spec)
+    else:
+        proposer = drafts.stack.enter_context(
+            draft_proposer(spec, assistant, drafts.engine(), drafts.hold_engine)
+        )
+    for r in native.requests:
+        r.proposer = proposer
+
+
+__all__ = ["Beams", "DraftHold", "External", "Native", "route"]

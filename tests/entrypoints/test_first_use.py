@@ -1,0 +1,70 @@
+"""What a new user meets first through the Python API: ``hf_paged.release``, a hub id passed as a
+path, ``llm.generate(123)``, a mistyped ``HF_PAGED_*`` variable, ``hf_paged.ray`` without
+ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_paged
+from hf_paged import LLM, AutoPagedModelForCausalLM
+from hf_paged.testing import save_demo_model
+
+ROOT = Path(__file__).resolve().parents[2]
+# the pipeline entry patches transformers.pipeline: one torch thread and a clean dispatcher
+pytestmark = pytest.mark.usefixtures("one_thread", "clean_dispatch")
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = save_demo_model(str(tmp_path_factory.mktemp("first") / "m"))
+    with LLM(path, num_kv_blocks=32) as llm:
+        yield llm
+
+
+def test_release_is_public():
+    assert callable(hf_paged.release) and callable(hf_paged.configure)
+
+
+@pytest.mark.parametrize("entry", ["LLM", "AutoPagedModelForCausalLM", "pipeline"])
+def test_hub_id_gets_the_download_hint(entry):
+    hub_id = "someorg/some-model-that-is-not-here"
+    with pytest.raises(ValueError, match="looks like a Hugging Face Hub id") as info:
+        if entry == "LLM":
+            LLM(hub_id)
+        elif entry == "AutoPagedModelForCausalLM":
+            AutoPagedModelForCausalLM.from_pretrained(hub_id)
+        else:
+            import transformers
+
+            transformers.pipeline("text-generation", model=hub_id, backend="paged")
+    assert "download" in str(info.value) and hub_id in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, None, {"a": 1}])
+def test_generate_with_a_non_prompt_names_the_argument(llm, bad):
+    with pytest.raises(TypeError, match="prompts=.* is not allowed"):
+        llm.generate(bad)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_mistyped_switch_is_warned_about_at_import():
+    env = {**os.environ, "HF_PAGED_BACKND": "paged"}
+    code = "import warnings; warnings.simplefilter('always'); import hf_paged"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "HF_PAGED_BACKND is set but is not an hf_paged switch" in out.stderr
+    assert "did you mean HF_PAGED_BACKEND?" in out.stderr
+
+
+def test_ray_module_without_ray_says_how_to_install():
+    code = "import sys; sys.modules['ray'] = None; from hf_paged import ray"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0
+    assert "hf_paged.ray needs ray[data]" in out.stderr and "pip install" in out.stderr
