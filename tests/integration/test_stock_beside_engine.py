@@ -165,21 +165,10 @@ BEAM_PROMPTS = 48  # x 4 beams x 512 tokens: the issue's 32 need ~15 GiB, about 
 
 
 def _load_workloads():
-    """``evaluation/workloads.py`` (not a package) by path, registered in ``sys.modules`` (its
-    dataclasses look their module up there)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """The benchmarks' workloads (random-weight model builders)."""
+    from hf_paged.benchmarks import workloads
 
-    name = "hf_paged_eval_workloads"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "evaluation" / "workloads.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return workloads
 
 
 @pytest.mark.gpu

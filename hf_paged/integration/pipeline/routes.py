@@ -52,8 +52,8 @@ def route(model, kwargs: dict) -> Route | None:
                      lambda kw: servable.precheck(skeleton, kw, kw, model_checks=False))  # fmt: skip
     # the model's own checks walk its parameters: once per route (one pipeline call), not per
     # batch (at batch_size 1 they were a third of a 64-prompt call's time on the H200)
-    model_reason = functools.cache(lambda: servable.model_reason(model))
+    model_refusal = functools.cache(lambda: servable.model_refusal(model))
     return Route(
         key, model, lambda: dispatch.hold_engine(model, key[1]),
-        lambda kw: servable.precheck(model, kw, kw, model_checks=False) or model_reason(),
+        lambda kw: servable.precheck(model, kw, kw, model_checks=False) or model_refusal(),
     )  # fmt: skip

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-EVALUATION = Path(__file__).resolve().parents[2] / "evaluation"
+EVALUATION = Path(__file__).resolve().parents[4] / "evaluation"
 
 
 def load_bench(name: str):

@@ -25,7 +25,7 @@ from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing.procfs import pid_alive
 from tests.engine.worker.tp.dummy_target import DummyTarget
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs POSIX shared memory in /dev/shm")
 
