@@ -24,7 +24,7 @@ MIXERS: dict[str, str | None] = {
     "KimiLinearDeltaAttention": None,
     "BailingHybridDeltaAttention": None,
     # lightning attention
-    "MiniMaxLightningAttention": None,
+    "MiniMaxLightningAttention": "lightning:LightningAttentionMixer",
     # Mamba 1
     "MambaMixer": None,
     "FalconMambaMixer": None,

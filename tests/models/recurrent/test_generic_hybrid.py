@@ -14,7 +14,7 @@ from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
 from hf_paged.testing import build_metadata, build_tiny, make_kv_cache
 
-FAMILIES = ("qwen3_5_text", "qwen3_next", "olmo_hybrid")
+FAMILIES = ("qwen3_5_text", "qwen3_next", "olmo_hybrid", "minimax")
 BS, MAX_BLOCKS = 4, 24
 
 
@@ -72,8 +72,22 @@ def test_steps_equal_hf_forward(model_type):
             at += n
 
 
-def test_unserved_recurrent_family_is_refused_by_name():
-    config, hf = build_tiny("minimax")
+def test_unserved_recurrent_family_is_refused_by_name(monkeypatch):
+    from hf_paged.models.generic.support import static_reason
+    from hf_paged.models.recurrent import registry
+
+    monkeypatch.setitem(registry.MIXERS, "Qwen3_5GatedDeltaNet", None)  # as if no mixer
+    config, hf = build_tiny("qwen3_5_text")
+    assert "hybrid/recurrent" in static_reason(config)
+    assert "Qwen3_5GatedDeltaNet" in static_reason(config)
     ctx = ModelContext(get_backend("torch"), kv_block_size=BS, max_model_len=64)
-    with pytest.raises(UnsupportedModelError, match="MiniMaxLightningAttention.*|hybrid/recurrent"):
+    with pytest.raises(UnsupportedModelError, match="Qwen3_5GatedDeltaNet"):
         build_model(config, ctx, torch.float32, "cpu", "generic")
+
+
+def test_tensor_parallel_is_refused_by_name():
+    from hf_paged.models.generic.recurrent import recurrent_reason
+
+    _, hf = build_tiny("qwen3_5_text")
+    assert recurrent_reason(hf, 1) is None
+    assert "tensor_parallel_size=2" in recurrent_reason(hf, 2)
