@@ -59,6 +59,7 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
         PagedFallback: before any request is queued.
     """
     call = prepare_call(model, **generate_kwargs)
+    _check_recurrent(model, call)
     if call.beams:  # beam search / beam sampling
         return generate_beams(model, get_engine(), call)
     spec = spec_plan(call) if call.assisted else None  # its fallbacks need no engine
@@ -82,6 +83,34 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
         return sequences
     # no cache field: transformers 5.17 names it past_key_values, 5.24 cache; both default None
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+
+
+def _check_recurrent(model, call: PreparedCall) -> None:
+    """Beams and assisted decoding of a model with recurrent layers run stock: a beam would
+    copy its state at every fork, and a rejected speculative token cannot be taken back out of
+    a recurrent state.
+
+    Raises:
+        PagedFallback: such a call.
+    """
+    if not (call.beams or call.assisted):
+        return
+    from hf_paged.models.recurrent.registry import recurrent_modules
+
+    found = recurrent_modules(model)
+    if not found:
+        return
+    layer = type(found[0][1]).__name__
+    if call.beams:
+        raise PagedFallback(
+            "recurrent_beams",
+            f"beam search on a model with recurrent layers ({layer}) is not served paged yet",
+        )
+    raise PagedFallback(
+        "recurrent_assisted",
+        f"assisted decoding on a model with recurrent layers ({layer}): a recurrent state "
+        "cannot take back rejected speculative tokens",
+    )
 
 
 def plan_generate(model, runtime, generate_kwargs: dict, cache: PlanCache | None = None):

@@ -20,6 +20,7 @@ PURE_MODULES = {
     "hf_paged.engine.outputs": "hf_paged/engine/outputs.py",
     "hf_paged.engine.block_manager": "hf_paged/engine/block_manager.py",
     "hf_paged.engine.scheduler": "hf_paged/engine/scheduler.py",
+    "hf_paged.engine.state_slots": "hf_paged/engine/state_slots.py",
 }
 
 

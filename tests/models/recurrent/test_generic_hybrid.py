@@ -91,3 +91,48 @@ def test_tensor_parallel_is_refused_by_name():
     _, hf = build_tiny("qwen3_5_text")
     assert recurrent_reason(hf, 1) is None
     assert "tensor_parallel_size=2" in recurrent_reason(hf, 2)
+
+
+def test_beam_search_falls_back_by_name():
+    from hf_paged import release
+    from hf_paged.testing import left_pad, stock_and_paged
+
+    _, hf = build_tiny("qwen3_5_text")
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]])
+    stock, paged, _, _, msgs = stock_and_paged(
+        hf, expect_fallback=True, input_ids=ids, attention_mask=mask, max_new_tokens=4,
+        do_sample=False, pad_token_id=0, num_beams=2,
+    )  # fmt: skip
+    release(hf)
+    assert any("[recurrent_beams]" in m for m in msgs), msgs
+    assert torch.equal(stock, paged)
+
+
+def test_assisted_decoding_raises_as_stock():
+    """Stock refuses assisted generation on stateful models; the paged call says the same."""
+    from hf_paged import release
+    from hf_paged.testing import left_pad
+
+    _, hf = build_tiny("qwen3_5_text")
+    ids, mask = left_pad([[5, 6, 7, 8]])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              prompt_lookup_num_tokens=2)  # fmt: skip
+    with pytest.raises(ValueError, match="stateful") as stock:
+        hf.generate(ids, **kw)
+    with pytest.raises(ValueError, match="stateful") as paged:
+        hf.generate(ids, backend="paged", **kw)
+    release(hf)
+    assert str(paged.value) == str(stock.value)
+
+
+def test_speculative_proposer_is_refused_by_name(tmp_path):
+    from hf_paged import LLM
+    from hf_paged.engine.proposers import NgramProposer
+
+    _, hf = build_tiny("qwen3_5_text")
+    with LLM(hf, kv_block_size=4, max_model_len=64, num_kv_blocks=64) as llm:
+        assert llm.stats["num_state_slots"] == llm.engine.config.max_num_seqs
+        assert llm.stats["state_slot_bytes"] > 0
+        assert not llm.engine.config.enable_prefix_caching
+        with pytest.raises(ValueError, match="proposer=NgramProposer is not allowed"):
+            llm.engine.add_request([5, 6, 7], proposer=NgramProposer(2, 2))
