@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-ray test-clients test-gpu-clients lint bench-ipc
+.PHONY: install demo test test-ray test-clients test-gpu test-gpu-clients gpu-wheels lint bench-ipc
 
 install: $(VENV)/.installed
 
@@ -37,8 +37,22 @@ test-ray: install
 test-clients: install
 	CLIENTS_SIZE=cpu $(PY) -m pytest -m clients tests/clients -rs
 
+# The GPU tests (marker gpu) on the GPU machine, from the project root: no venv there (its
+# python3 holds torch, transformers, triton, pytest); ./.whl's wheels, when present, install into
+# /tmp/site offline. PART=k runs part k (each under 8 minutes on one H200), no PART all of them;
+# the parts are defined in tests/gpu_parts.py (`python3 tests/gpu_parts.py list`). Logs, JUnit XML
+# and a JSON summary per part in $${OUT:-evaluation/results}.
+PART ?=
+test-gpu:
+	bash tools/test-gpu.sh $(PART)
+
+# Fills the git-ignored ./.whl with what the GPU image lacks (lm-eval, datasets and their pure
+# Python dependencies; ~14 MB from PyPI): run here, then carry .whl with the working tree.
+gpu-wheels:
+	bash tools/gpu-wheels.sh
+
 # The same suite at issue 23's sizes on one GPU, with the GPU memory tests: run on the GPU
-# machine from the project root (lm-eval comes as wheels: ../shared/tools/lmeval-gpu-wheels.sh);
+# machine from the project root (lm-eval comes as wheels: make gpu-wheels, here);
 # evaluation/run_gpu_clients.sh a|b|c splits it into calls of under 10 minutes.
 test-gpu-clients:
 	bash evaluation/run_gpu_clients.sh all

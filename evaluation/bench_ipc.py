@@ -41,7 +41,7 @@ from hf_paged.distributed.process_group import (  # noqa: E402
     destroy_process_group,
     find_free_port,
 )
-from hf_paged.engine.tp.workers import WorkerGroup  # noqa: E402
+from hf_paged.engine.worker.tp.workers import WorkerGroup  # noqa: E402
 
 
 class BenchTarget:

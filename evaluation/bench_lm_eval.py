@@ -22,7 +22,7 @@ Model: random bf16 weights of ``--arch`` (default Qwen3-0.6B shape); tokenizer: 
 tokenizer padded to the model's vocabulary (``hf_paged.testing.build_char_tokenizer``).
 Results: evaluation/results/lm_eval_<UTC>.json.
 
-GPU (lm-eval travels as wheels, see ../shared/tools/lmeval-gpu-wheels.sh):
+GPU (lm-eval travels as wheels, see tools/gpu-wheels.sh: make gpu-wheels):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. \
     python3 evaluation/bench_lm_eval.py
@@ -121,8 +121,8 @@ def bench_loglikelihood(lm, args, dispatch) -> dict:
 def bench_generate(lm, args, dispatch) -> dict:
     from lm_eval.api.instance import Instance
 
-    from hf_paged.engine.request import EngineRequest
-    from hf_paged.engine.stop import StopStrings
+    from hf_paged.engine.core.request import EngineRequest
+    from hf_paged.engine.stop_strings import StopStrings
 
     gen_kwargs = {"until": ["\n\n"], "max_gen_toks": args.max_gen_toks, "do_sample": False}
 

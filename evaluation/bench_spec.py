@@ -141,7 +141,7 @@ def main(argv=None) -> None:
         args.prompt_len, args.new_tokens, args.max_model_len = 32, 16, 256
         args.out_dir = args.out_dir or "/tmp/hf_paged_bench_smoke"
     from hf_paged import LLM
-    from hf_paged.engine.proposers import DraftModelProposer, NgramProposer
+    from hf_paged.engine.spec.proposers import DraftModelProposer, NgramProposer
 
     device = args.device
     dtype = torch.float32 if args.smoke else torch.bfloat16

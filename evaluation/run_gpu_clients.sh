@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 23 on one H200, from the project root of a fresh checkout: the GPU memory tests
-# (tests/engine/test_memory_gpu.py) and the client suite (tests/clients, CLIENTS_SIZE=gpu: lm-eval
+# (tests/engine/worker/test_kv_budget_runner.py) and the client suite (tests/clients, CLIENTS_SIZE=gpu: lm-eval
 # CLI, pipelines, datasets.map, `hf-paged run` on a script, torchrun shard_generate, engine
 # start), each client beside stock in fresh processes. Results: one clients_gpu_<UTC>.json per
 # part, and the pytest logs, in $OUT (default evaluation/results).
 #
-# Prepare here:  bash ../shared/tools/lmeval-gpu-wheels.sh     (fills ./.whl: lm-eval, datasets)
+# Prepare here:  make gpu-wheels     (tools/gpu-wheels.sh: fills ./.whl with lm-eval, datasets)
 # Then, with the device tool (carry [".whl"]), one part per call (each under 10 minutes):
 #   bash evaluation/run_gpu_clients.sh a    # memory tests, engine start, lm-eval generate_until
 #                                           # and multiple_choice at --batch_size 16
@@ -25,7 +25,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:.
 else
-  echo "no .whl: lm-eval and datasets clients will skip (bash ../shared/tools/lmeval-gpu-wheels.sh)"
+  echo "no .whl: lm-eval and datasets clients will skip (make gpu-wheels)"
   export PYTHONPATH=.
 fi
 export CLIENTS_SIZE=gpu CLIENTS_RESULTS_DIR=$out PYTHONUNBUFFERED=1
@@ -40,7 +40,7 @@ suite() {  # name, pytest args...
 
 case $part in
   a | all)
-    suite a_memory tests/engine/test_memory_gpu.py
+    suite a_memory -m gpu tests/engine/worker/test_kv_budget_runner.py
     suite a_clients -m clients tests/clients \
       -k "engine_start or (per_task and (generate_until or multiple_choice))" ;;&
   b | all)

@@ -28,10 +28,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "LLMEngine": ("hf_paged.engine.llm_engine", "LLMEngine"),
     "EngineConfig": ("hf_paged.config", "EngineConfig"),
     "SamplingParams": ("hf_paged.config", "SamplingParams"),
-    "RequestOutput": ("hf_paged.engine.outputs", "RequestOutput"),
-    "CompletionOutput": ("hf_paged.engine.outputs", "CompletionOutput"),
-    "NgramProposer": ("hf_paged.engine.proposers", "NgramProposer"),
-    "DraftModelProposer": ("hf_paged.engine.proposers", "DraftModelProposer"),
+    "RequestOutput": ("hf_paged.engine.core.outputs", "RequestOutput"),
+    "CompletionOutput": ("hf_paged.engine.core.outputs", "CompletionOutput"),
+    "NgramProposer": ("hf_paged.engine.spec.proposers", "NgramProposer"),
+    "DraftModelProposer": ("hf_paged.engine.spec.proposers", "DraftModelProposer"),
     "AutoPagedModelForCausalLM": ("hf_paged.integration.auto", "AutoPagedModelForCausalLM"),
     "PagedModelForCausalLM": ("hf_paged.integration.auto", "PagedModelForCausalLM"),
     "PagedFallbackWarning": ("hf_paged.integration.fallback", "PagedFallbackWarning"),
@@ -80,5 +80,9 @@ def uninstall() -> None:
 _envs.warn_unknown()  # a mistyped HF_PAGED_* variable is said now, not at the first engine
 _hooks.install_on_import()
 _timings.install()  # inert unless HF_PAGED_TIMINGS names a file
+if _timings.enabled():  # the client's own phases too, on stock and paged runs alike
+    from hf_paged.integration import client_timings as _client_timings
+
+    _client_timings.install()
 
 __all__ = [*_EXPORTS, "install", "uninstall", "__version__"]

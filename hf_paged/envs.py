@@ -76,6 +76,13 @@ SWITCHES: dict[str, Switch] = {
             "0 = ``torch.argmax``.",
         ),
         Switch(
+            "HF_PAGED_TOKEN_SCORES",
+            True,
+            "The Triton log-softmax + gather + rank of prompt logprobs on CUDA "
+            "(``kernels/token_scores.py``): one pass over each scored row's logits in the "
+            "model's dtype. 0 = ``log_softmax`` in fp32 of each slice of rows.",
+        ),
+        Switch(
             "HF_PAGED_PDL",
             True,
             "Programmatic dependent launch for every Triton kernel here, on devices that "

@@ -10,9 +10,9 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.request import EngineRequest, budget
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.outputs import RequestOutput
-from hf_paged.engine.request import EngineRequest, budget
 from hf_paged.integration.engine_owner import EngineOwner, fingerprint
 
 
@@ -81,7 +81,7 @@ class LLM:
                 2-D tensor is a batch of equal-length prompts.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar over generated tokens (of the most requested).
-            proposer: speculative decoding for every prompt (``hf_paged.engine.proposers``:
+            proposer: speculative decoding for every prompt (``hf_paged.engine.spec.proposers``:
                 ``NgramProposer`` or ``DraftModelProposer``); the outputs are what they are
                 without it (greedy: the same tokens; sampling: the same distribution).
 

@@ -8,6 +8,10 @@ each folder, its children (files and subfolders, a subfolder standing for everyt
 must import each other without a cycle: then every child stands above everything it imports, and
 no arrow runs back up. Imports made by name at run time (``importlib.import_module``) are not
 arrows: they are how the lazy registries and ``import hf_paged``'s hooks stay light.
+
+A folder is a room: none holds over 15 modules (a folder of one-file-per-family model adapters
+excepted), and ``engine/core/`` (the plain-data side of the engine) imports no torch, neither
+itself nor through another module of the package it imports.
 """
 
 from __future__ import annotations
@@ -63,6 +67,18 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if target is not None and target != module:
                 out.add(target)
     return out
+
+
+def _external_imports(path: Path) -> set[str]:
+    """The top-level names of the modules outside the package that ``path`` imports (module
+    level or inside a function, ``TYPE_CHECKING`` blocks included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"hf_paged"}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -129,6 +145,70 @@ def test_no_cycles_at_any_level():
     )
 
 
+MAX_MODULES_PER_FOLDER = 15
+# folders of one file per model family: they grow with the families served, not with concepts
+ADAPTER_FOLDERS = {"hf_paged.models.generic.adapters"}
+CORE = "hf_paged.engine.core"
+HEAVY = ("torch", "triton", "numpy", "transformers")
+
+
+def test_no_folder_holds_over_15_modules():
+    graph = _graph()
+    crowded = []
+    for folder in _folders(graph):
+        if folder in ADAPTER_FOLDERS:
+            continue
+        path = PACKAGE.parent / folder.replace(".", "/")
+        modules = [p.name for p in path.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            crowded.append(f"{folder}: {len(modules)} modules")
+    assert not crowded, (
+        f"folders over {MAX_MODULES_PER_FOLDER} modules (a folder this full holds two rooms):\n"
+        + "\n".join(crowded)
+    )
+
+
+def _reached(graph: dict[str, set[str]], start: set[str]) -> dict[str, str]:
+    """Every module reached from ``start`` along import arrows -> the module it was reached from
+    (a start module -> itself)."""
+    via = {m: m for m in start}
+    todo = sorted(start)
+    while todo:
+        m = todo.pop()
+        for n in sorted(graph.get(m, ())):
+            if n not in via:
+                via[n] = m
+                todo.append(n)
+    return via
+
+
+def test_engine_core_imports_no_torch():
+    """What ``engine/core/`` imports, directly or through the package's modules it imports,
+    holds no torch (nor triton, numpy, transformers): the scheduler side is plain Python."""
+    graph = _graph()
+    core = {m for m in graph if m == CORE or m.startswith(CORE + ".")}
+    assert len(core) > 5  # the walk found the core
+    via = _reached(graph, core)
+    found = []
+    for module in sorted(via):
+        path = _modules()[module]
+        heavy = sorted(_external_imports(path) & set(HEAVY))
+        if heavy:
+            chain = [module]
+            while via[chain[-1]] != chain[-1]:
+                chain.append(via[chain[-1]])
+            found.append(f"{' <- '.join(chain)} imports {heavy}")
+    assert not found, "engine/core reaches heavy imports:\n" + "\n".join(found)
+
+
+def test_a_heavy_import_is_found():
+    """The check itself: an import of torch inside a function and a chain of two arrows."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}
+    assert _reached(graph, {"a"}) == {"a": "a", "b": "a", "c": "b"}
+    path = ROOT / "hf_paged" / "engine" / "worker" / "kv_budget.py"
+    assert "torch" in _external_imports(path)
+
+
 def test_a_cycle_is_found():
     """The check itself: a graph with a cycle two folders deep is reported."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -138,7 +218,9 @@ def test_a_cycle_is_found():
 @pytest.mark.parametrize(
     "code",
     [
-        "import hf_paged.engine.scheduler, hf_paged.engine.block_manager",
+        "import hf_paged.engine.core.scheduler, hf_paged.engine.core.block_manager, "
+        "hf_paged.engine.core.request, hf_paged.engine.core.request_state, "
+        "hf_paged.engine.core.contracts, hf_paged.engine.core.stop",
         "import hf_paged",
         "from hf_paged.cli import build_parser; build_parser().format_help()",
     ],

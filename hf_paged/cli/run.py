@@ -13,11 +13,16 @@ import os
 import runpy
 import sys
 
-USAGE = """usage: hf-paged run [--report] script.py [args ...]
-       hf-paged run [--report] -m module [args ...]
+USAGE = """usage: hf-paged run [--report] [--timings FILE] [--backend paged|hf] script.py [args ...]
+       hf-paged run [--report] [--timings FILE] [--backend paged|hf] -m module [args ...]
 
 Run a program unmodified, with every transformers generate call on the paged engine
-(HF_PAGED_BACKEND=paged). --report prints to stderr at exit what the engine served."""
+(HF_PAGED_BACKEND=paged). --report prints to stderr at exit what the engine served.
+--timings FILE appends the process's time breakdown (imports, model load, engine start, the
+client's setup, tokenization, requests, model work and results) to FILE as one JSON line;
+with --backend hf the program runs stock under the same timing hooks, for a side-by-side
+breakdown (evaluation/breakdown.py)."""
+BACKENDS = ("paged", "hf")
 
 
 class ServedCounter:
@@ -78,22 +83,37 @@ def _usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
-def parse(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
-    """``(report, module, script, args)`` from what follows ``run``, parsed as python parses
-    its own command line: our options stop at the first program argument."""
-    report, i = False, 0
+def parse(argv: list[str]) -> tuple[dict, str | None, str | None, list[str]]:
+    """``(options, module, script, args)`` from what follows ``run``, parsed as python parses
+    its own command line: our options stop at the first program argument. ``options`` holds
+    ``report`` (bool), ``timings`` (a path or None) and ``backend``."""
+    opts: dict = {"report": False, "timings": None, "backend": "paged"}
+    i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
-        if argv[i] in ("-h", "--help"):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
             print(USAGE)
             raise SystemExit(0)
-        if argv[i] != "--report":
-            _usage_error(f"run: option {argv[i]!r} is not allowed: options are --report, -m")
-        report, i = True, i + 1
+        if arg == "--report":
+            opts["report"], i = True, i + 1
+            continue
+        name, eq, value = arg.partition("=")
+        if name not in ("--timings", "--backend"):
+            _usage_error(f"run: option {arg!r} is not allowed: options are --report, "
+                         "--timings FILE, --backend paged|hf, -m")  # fmt: skip
+        if not eq:
+            if i + 1 >= len(argv):
+                _usage_error(f"run: {name} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name == "--backend" and value not in BACKENDS:
+            _usage_error(f"run: --backend={value!r} is not allowed: one of {', '.join(BACKENDS)}")
+        opts[name[2:]] = value
     rest = argv[i:]
     if rest[:1] == ["-m"]:
         if len(rest) < 2:
             _usage_error("run: -m needs a module name: hf-paged run -m module [args ...]")
-        return report, rest[1], None, rest[2:]
+        return opts, rest[1], None, rest[2:]
     if not rest:
         _usage_error("run: missing the program: hf-paged run script.py [args ...]")
     if not os.path.isfile(rest[0]):
@@ -101,7 +121,7 @@ def parse(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
         if rest[0].replace(".", "").replace("_", "").isalnum() and _is_module(rest[0]):
             hint = f"; {rest[0]!r} is a module: hf-paged run -m {' '.join(rest)}"
         _usage_error(f"run: script={rest[0]!r} is not allowed: no such file{hint}")
-    return report, None, rest[0], rest[1:]
+    return opts, None, rest[0], rest[1:]
 
 
 def _is_module(name: str) -> bool:
@@ -112,16 +132,25 @@ def _is_module(name: str) -> bool:
 
 
 def cmd_run(argv: list[str]) -> int:
-    report, module, script, args = parse(argv)
-    os.environ["HF_PAGED_BACKEND"] = "paged"  # child processes inherit it
+    opts, module, script, args = parse(argv)
+    report = opts["report"]
+    os.environ["HF_PAGED_BACKEND"] = opts["backend"]  # child processes inherit it
+    if opts["timings"]:
+        os.environ["HF_PAGED_TIMINGS"] = os.path.abspath(opts["timings"])
     from hf_paged import envs
 
-    envs.reset("HF_PAGED_BACKEND")  # this process reads it again too (it is read once)
+    envs.reset("HF_PAGED_BACKEND")  # this process reads them again too (they are read once)
+    envs.reset("HF_PAGED_TIMINGS")
     _show_engine_starts()
-    import hf_paged
+    from hf_paged import timings
+    from hf_paged.integration import client_timings
     from hf_paged.integration.lm_eval import install_lm_eval
 
-    hf_paged.install()
+    # `import hf_paged` installed the generate and pipeline dispatchers for when transformers
+    # loads them (nothing is imported before the program needs it); timings read again here,
+    # as --timings may have set them after that import
+    timings.install()
+    client_timings.install()
     install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is there)
     counter = ServedCounter()
     if report:

@@ -12,7 +12,7 @@ talks to dies, its sockets close and the call raises ``RuntimeError: Connection 
 within ~50 ms. It does not raise when the dead rank is not one rank 0 is waiting on at that moment
 (3 ranks, rank 2 killed while rank 1 is alive but busy: rank 0 waited the full 60 s timeout), and
 ``pg.abort()`` / ``pg.shutdown()`` from another thread do NOT end a pending gloo wait. So the
-worker watchdog in ``engine/tp/workers.py`` kills the surviving workers once one dies: their sockets
+worker watchdog in ``engine/worker/tp/workers.py`` kills the surviving workers once one dies: their sockets
 close too and the blocked call raises (0.05 s in the same 3-rank case). NCCL is aborted instead
 (``abort_process_group``; untested here, no GPU).
 """

@@ -2,21 +2,24 @@
 
 One engine owns one model (a checkpoint directory or an in-memory HF model whose weights it
 shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one forward pass over
-whatever the scheduler picked (prefill chunks and decodes mixed) and reports finished requests.
-Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act between
-steps; see ``request.py``), which abort and drain what is in flight when the caller stops early.
+whatever the scheduler picked (prefill chunks and decodes mixed), applies the stop rule to the
+tokens the step appended (``_take_tokens``, the one place a sequence stops) and reports finished
+requests. Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act
+between steps; see ``core/request.py``), which abort and drain what is in flight when the caller
+stops early.
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
 stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
 ``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
 ``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
-Paused sequences whose blocks waiting ones need are parked (``paused.py``). A beam-search
-request (``beam_search=True``) is external too: its sequences are its beams, and
-``provide_beams`` replaces them all at once by forks of them sharing KV blocks (``beams.py``).
+Paused sequences whose blocks waiting ones need are parked. A beam-search request
+(``beam_search=True``) is external too: its sequences are its beams, and ``provide_beams``
+replaces them all at once by forks of them sharing KV blocks. ``ExternalSequences``
+(``core/external_sequences.py``) owns the paused, parked and forked sequences.
 
-Speculative decoding: a request added with a ``proposer`` (``proposers.py``) verifies several
+Speculative decoding: a request added with a ``proposer`` (``spec/proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
-(``spec_decode.py``); its output is what it would be without the proposer.
+(``spec/spec_decode.py``); its output is what it would be without the proposer.
 """
 
 from __future__ import annotations
@@ -29,28 +32,29 @@ from itertools import count
 import torch
 
 from hf_paged.config import EngineConfig, SamplingParams
-from hf_paged.engine import beams, paused
-from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.outputs import RequestOutput
-from hf_paged.engine.overlap import OverlapStepper
-from hf_paged.engine.request import (
+from hf_paged.engine.core.block_manager import BlockManager
+from hf_paged.engine.core.contracts import TakenTokens
+from hf_paged.engine.core.external_sequences import ExternalSequences
+from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.request import (
     EngineRequest,
     RequestGroup,
     RequestStream,
     check_request_args,
     validate_prompt,
 )  # fmt: skip
-from hf_paged.engine.request import run as _run_requests
-from hf_paged.engine.request import stream as _stream_requests
-from hf_paged.engine.request_state import RequestState, RequestTable
+from hf_paged.engine.core.request import run as _run_requests
+from hf_paged.engine.core.request import stream as _stream_requests
+from hf_paged.engine.core.request_state import RequestState, RequestTable
+from hf_paged.engine.core.scheduler import Scheduler
+from hf_paged.engine.core.sequence import Sequence
+from hf_paged.engine.overlap import OverlapStepper
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
-from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence
-from hf_paged.engine.spec_decode import SpecDecoder, check_proposer
+from hf_paged.engine.spec.spec_decode import SpecDecoder, check_proposer
 from hf_paged.engine.stats import engine_stats
-from hf_paged.engine.step_profile import StepProfile
 from hf_paged.engine.stepping import Stepper, StepResult
-from hf_paged.engine.stop import StopStrings, StopStringsCache
+from hf_paged.engine.stop_strings import StopStrings, StopStringsCache
+from hf_paged.engine.worker.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +79,10 @@ class LLMEngine:
         self.hf_config = self.runtime.hf_config
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
-        self.requests = RequestTable(self.runtime.device)
-        # external seqs whose logits were handed out, waiting for their token; a parked one
-        # (preempted meanwhile) holds no blocks and has status WAITING (``paused.py``)
-        self._paused: dict[int, Sequence] = {}
-        self.num_parked = 0  # paused sequences whose blocks were freed for waiting ones
+        self.requests = RequestTable(self._new_generator)
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
-        from hf_paged.engine.executor import create_executor
+        from hf_paged.engine.worker.executor import create_executor
 
         self.executor = create_executor(self.runtime, model)
         self.runtime.num_kv_blocks = self.executor.num_kv_blocks
@@ -110,6 +110,11 @@ class LLMEngine:
             self.config.max_num_batched_tokens,
             self.runtime.max_model_len,
         )
+        # external seqs whose logits were handed out, waiting for their token; beams
+        self.external = ExternalSequences(
+            self.scheduler, self.block_manager, self.requests, self.runtime.vocab_size,
+            self.runtime.max_model_len,
+        )  # fmt: skip
         self._overlap = (
             OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
         )
@@ -149,7 +154,7 @@ class LLMEngine:
             proposer: proposes speculative tokens for it (``NgramProposer``,
                 ``DraftModelProposer``); None = one token per step.
             beam_search: an external request whose beams the caller sets with
-                ``provide_beams``; ``step`` reports its logits per beam (``beam_logits``).
+                ``provide_beams``; ``step`` reports its logits per beam (``StepResult.logits``).
 
         Raises:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
@@ -187,7 +192,7 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if not seq.is_finished:
-                self._paused.pop(seq.seq_id, None)
+                self.external.forget(seq)
                 self.finish_sequence(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -195,23 +200,29 @@ class LLMEngine:
 
     def provide_token(self, request_id, token_id: int, *, finish: bool = False) -> None:
         """External sampling: append ``token_id`` to a paused request; ``finish`` ends it."""
-        paused.provide_token(self, request_id, token_id, finish)
+        seq = self.external.take_token(request_id, token_id)
+        if finish:  # the caller ends it
+            self.finish_sequence(seq, "stop")
+            return
+        self._take_tokens([TakenTokens(seq, len(seq) - 1, len(seq), "provided")])
+        if not seq.is_finished:
+            self.external.resume(seq)
 
     def awaits_token(self, request_id) -> bool:
         """External sampling: the request is paused with its next-token logits handed out."""
-        req = self.requests.by_id.get(request_id)
-        return req is not None and req.seqs[0].seq_id in self._paused
+        return self.external.awaits_token(request_id)
 
     def reset_tokens(self, request_id, token_ids: list[int]) -> None:
-        """External sampling: the request's sequence holds exactly ``token_ids`` (``paused.py``)."""
-        paused.reset_tokens(self, request_id, token_ids)
+        """External sampling: the request's sequence holds exactly ``token_ids``
+        (``ExternalSequences.reset_tokens``)."""
+        self.external.reset_tokens(request_id, token_ids)
 
     def provide_beams(self, request_ids: list, parents: list[list[int]],
                       token_ids: list[list[int]]) -> None:  # fmt: skip
         """Beam search: every request of ``request_ids`` gets its next beams, beam ``j`` of
         request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
-        (``beams.py``)."""
-        beams.provide_beams(self, request_ids, parents, token_ids)
+        (``ExternalSequences.provide_beams``)."""
+        self.external.provide_beams(request_ids, parents, token_ids)
 
     # ---- driving requests ---------------------------------------------------------------
 
@@ -239,24 +250,58 @@ class LLMEngine:
         overlap = self._overlap is not None and not self.requests.num_sync
         if self._overlap is not None and not overlap:
             # a synchronous step needs every token on the host
-            self._stepper.apply_resolved(self._overlap.drain())
+            self._take_tokens(self._stepper.resolved(self._overlap.drain()))
         with self.profile.section("schedule"):
             if self.requests.num_spec:  # such requests step synchronously: tokens on the host
                 self.spec.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             # paused sequences hold the blocks the waiting ones need: park them, newest first
-            while out.is_empty and self.scheduler.waiting and paused.park_newest(self):
+            while out.is_empty and self.scheduler.waiting and self.external.park_newest():
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
             if out.is_empty:
                 if self._overlap is not None:
-                    self._stepper.apply_resolved(self._overlap.drain())
+                    self._take_tokens(self._stepper.resolved(self._overlap.drain()))
             elif overlap:
-                self._stepper.launch(out, result)
+                launched, resolution = self._stepper.launch(out, result)
+                self._take_tokens(launched)
+                self._take_tokens(self._stepper.resolved(resolution))
             else:
-                self._stepper.run_sync(out, result)
+                taken, handed_out = self._stepper.run_sync(out, result)
+                self._take_tokens(taken)
+                for seq in handed_out:
+                    self.external.pause(seq)
             self._collect_finished(result)
         return result
+
+    def _take_tokens(self, taken: list[TakenTokens]) -> None:
+        """The stop rule on a step's tokens, where the engine takes them (``TakenTokens``): each
+        token in order until one ends its sequence; the tokens after it are dropped. Logprobs
+        are recorded up to the stop. A sequence already ended while its last token was on the
+        device (a length limit at launch, or an abort) is reported now, and a stop token among
+        its tokens makes its reason "stop", as the synchronous path reports it."""
+        max_len = self.runtime.max_model_len
+        for t in taken:
+            seq, req = t.seq, self.requests.of(t.seq.seq_id)
+            if t.kind == "resolved" and not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)  # its tokens are final now
+            record = t.logprobs is not None and req.params.logprobs is not None
+            reason, end = None, t.first
+            for j, end in enumerate(range(t.first + 1, t.last + 1)):
+                if record:
+                    req.logprobs.setdefault(seq.seq_id, []).append(t.logprobs[j])
+                reason = req.stop_reason(seq, end, max_len, known=t.kind != "launched")
+                if reason is not None:
+                    break
+            if seq.is_finished:
+                if reason == "stop":
+                    del seq.token_ids[end:]  # drop tokens launched after the stop
+                    if seq.finish_reason == "length":
+                        seq.finish_reason = "stop"
+                self.requests.mark_finished(seq)
+            elif reason is not None:
+                del seq.token_ids[end:]  # a placeholder's token arrives with its resolution
+                self.finish_sequence(seq, reason)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
@@ -265,17 +310,18 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.requests.mark_finished(seq)
 
-    def pause(self, seq: Sequence) -> None:
-        """External sampling: ``seq`` holds its blocks and waits for ``provide_token``."""
-        self.scheduler.running.remove(seq)
-        self._paused[seq.seq_id] = seq
-
     def _collect_finished(self, result: StepResult) -> None:
         """Report requests whose last sequence finished (only those touched since last time);
         with overlapped stepping, not before their last token reached the host."""
         ready = self._overlap.ready if self._overlap is not None else None
         for req in self.requests.take_done(ready):
             result.finished.append(req.output(self.tokenizer))
+
+    def _new_generator(self, seed: int) -> torch.Generator:
+        """A generator on the engine's device seeded with ``seed`` (a seeded request's)."""
+        g = torch.Generator(device=self.runtime.device)
+        g.manual_seed(seed)
+        return g
 
     # ---- stats / lifecycle --------------------------------------------------------------
 

@@ -29,21 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_paged.config import SamplingParams
-from hf_paged.engine.outputs import ModelInput, SchedulerOutput
-from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.core.contracts import ModelInput, SchedulerOutput
+from hf_paged.engine.core.sequence import Sequence
 
 PLACEHOLDER = -1  # a sampled token whose value is still on the device
-
-
-def overlap_eligible(params: SamplingParams, external: bool) -> bool:
-    """Whether a request's sampling and stopping can run without its token values on the host."""
-    return (
-        not external
-        and params.logprobs is None
-        and params.repetition_penalty == 1.0
-        and (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
-    )
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import EngineConfig
+from hf_paged.engine.servable import check_servable
 from hf_paged.models.registry import resolve_model_class
 from hf_paged.paths import not_a_checkpoint
 
@@ -72,58 +73,6 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def quantization_method(model_or_config) -> str | None:
-    """The ``quant_method`` of a quantized model or config ("bitsandbytes", "gptq", "awq",
-    "fp8" ...; "unknown" when it names none), or None for plain weights. Which of them the engine
-    serves is ``layers.quantization.unserved_quantization``'s decision."""
-    quantizer = getattr(model_or_config, "hf_quantizer", None)
-    qc = getattr(quantizer, "quantization_config", None)
-    config = getattr(model_or_config, "config", model_or_config)
-    if qc is None:
-        qc = getattr(config, "quantization_config", None)
-    if not qc and not getattr(model_or_config, "is_quantized", False) and quantizer is None:
-        return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    return str(method) if method else "unknown"
-
-
-def quantization_reason(model_or_config) -> tuple[str, str] | None:
-    """``(reason, detail)`` when a model's or config's quantization is one the engine does not
-    serve (``layers.quantization.unserved_quantization`` decides), else None; the message every
-    caller shows, a fallback warning or a ValueError."""
-    from hf_paged.layers.quantization import unserved_quantization
-
-    found = unserved_quantization(model_or_config)
-    if found is None:
-        return None
-    method, why = found
-    return f"quantized_{method}", (
-        f"quantization_config with quant_method={method!r} is not allowed: {why}; load an "
-        "unquantized or FP8 checkpoint, or use transformers' own generate for this one"
-    )
-
-
-def _check_servable(model, hf_config) -> None:
-    """ValueError for what the engine can't run and ``LLM`` has no stock model to fall back
-    on for: quantized weights other than the FP8 formats it serves, and PEFT adapters that
-    merged weights can't reproduce."""
-    quantized = quantization_reason(
-        model if not isinstance(model, (str, os.PathLike)) else hf_config
-    )
-    if quantized is not None:
-        raise ValueError(f"{quantized[1]} [{quantized[0]}]")
-    if not isinstance(model, (str, os.PathLike)):
-        from hf_paged.models import peft
-
-        reason = peft.unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(
-                f"model=<PEFT model> is not allowed: {reason[1]} [{reason[0]}]; the engine "
-                "serves plain LoRA (merged into its weights); use the PEFT model's own generate"
-            )
-
-
 def _served_config(model):
     """The config the engine builds an in-memory model from: its own, without the
     ``quantization_config`` when its weights are plain (dequantized by transformers at load,
@@ -138,7 +87,7 @@ def _served_config(model):
         if fp8_config_of(model) is not None:
             return config
     except UnsupportedQuantizationError:
-        return config  # refused by _check_servable, naming why
+        return config  # refused by check_servable, naming why
     plain = copy.deepcopy(config)
     del plain.quantization_config
     return plain
@@ -171,7 +120,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     from hf_paged.models.peft import is_peft_model, unwrap
 
     if is_peft_model(model):
-        _check_servable(model, None)
+        check_servable(model, None)
         model = unwrap(model)
     if isinstance(model, PreTrainedModel):
         hf_config = _served_config(model)
@@ -199,7 +148,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
             f"model={type(model).__name__} is not allowed: pass a checkpoint directory or a "
             "transformers PreTrainedModel"
         )
-    _check_servable(model, hf_config)
+    check_servable(model, hf_config)
     resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
     max_model_len = config.max_model_len or default_max_model_len(hf_config)
     eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(

@@ -11,7 +11,7 @@ def engine_stats(engine) -> dict:
     overlap = engine._overlap
     return {
         "num_preemptions": sched.num_preemptions,
-        "num_parked": engine.num_parked,  # paused (external) sequences preempted
+        "num_parked": engine.external.num_parked,  # paused (external) sequences preempted
         "max_num_running_seqs": sched.max_num_running_seqs,
         "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
         "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,

@@ -3,7 +3,7 @@ on the engine's speculative steps.
 
 Stock's ``_assisted_decoding`` keeps, each step, the candidates the model agrees with plus the
 model's own next token, so its greedy output is the model's greedy output and its sampled output
-has the model's distribution. The engine's speculative steps (``engine/spec_decode.py``) keep the
+has the model's distribution. The engine's speculative steps (``engine/spec/spec_decode.py``) keep the
 same invariant for every row of a batch at once, so a prepared call runs as a native call whose
 requests carry a proposer: ``NgramProposer`` for prompt lookup (stock takes it over an
 assistant model when both are given), ``DraftModelProposer`` over the assistant model's own
@@ -97,7 +97,7 @@ def spec_plan(call: PreparedCall) -> SpecPlan:
 
 def ngram_proposer(plan: SpecPlan):
     """A prompt-lookup proposer for one call's requests (its state is per sequence)."""
-    from hf_paged.engine.proposers import NgramProposer
+    from hf_paged.engine.spec.proposers import NgramProposer
 
     return NgramProposer(plan.num_tokens, plan.max_matching_ngram_size)
 
@@ -115,7 +115,7 @@ def draft_proposer(plan: SpecPlan, assistant, engine, hold_engine=None):
     """
     import torch
 
-    from hf_paged.engine.proposers import DraftModelProposer
+    from hf_paged.engine.spec.proposers import DraftModelProposer
     from hf_paged.integration import servable
 
     if isinstance(assistant, torch.nn.Module):

@@ -107,7 +107,7 @@ def quantized_checkpoint_reason(path: str | os.PathLike) -> PagedFallback | None
     back to stock), or None."""
     from transformers import AutoConfig
 
-    from hf_paged.engine.runtime import quantization_reason
+    from hf_paged.engine.servable import quantization_reason
 
     if not is_checkpoint_dir(path):
         return None

@@ -39,7 +39,7 @@ from transformers.generation.logits_process import PrefixConstrainedLogitsProces
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest, RequestGroup
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import check_fits
 from hf_paged.integration.prepare import PreparedCall
@@ -287,20 +287,7 @@ def _gather_logits(batch: RequestGroup, rids, live, num_slots: int, k: int, budg
     """``[B * K, V]`` raw next-token logits of every beam (row-major), stepping the engine until
     each live beam has reported; before the first selection a row's one sequence stands for
     all K beams; rows no longer in the engine get zeros."""
-    want = {(rids[r], j) for r in live for j in range(num_slots)}
-    got: dict = {}
-    for _ in range(budget):
-        if want <= got.keys():
-            break
-        res = batch.step()
-        for key, row in res.beam_logits.items():
-            if key in want:
-                got[key] = row  # a beam preempted and recomputed reports again: same values
-        ended = [rids[r] for r in live if rids[r] in batch.outputs]
-        if ended:
-            raise RuntimeError(f"the engine ended beam-search request {ended[0]!r} itself")
-    if not got or not want <= got.keys():
-        raise RuntimeError(f"the engine made no progress on {len(want - got.keys())} beam(s)")
+    got = batch.await_logits([(rids[r], j) for r in live for j in range(num_slots)], budget)
     zeros = torch.zeros_like(next(iter(got.values())))
     rows = []
     for rid in rids:

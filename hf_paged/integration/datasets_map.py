@@ -35,7 +35,7 @@ import uuid
 import torch
 from tqdm.auto import tqdm
 
-from hf_paged.engine.request import budget
+from hf_paged.engine.core.request import budget
 from hf_paged.integration import dispatch, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback
 

@@ -16,6 +16,12 @@ One engine per model object (``engine_owner.owner_of``), built on first use, reu
 rebuilt when the call's engine config differs or the model's weights or PEFT adapters changed
 since it was built. Writes through ``param.data`` bump no version counter and are not seen: call
 ``release(model)`` after them.
+
+Every stock call made here (``backend="hf"``, no switch, a named fallback) first gives the model's
+CUDA engine back (``engine_owner.give_back_for_stock``: its KV cache and graphs are freed, the
+next paged call starts it again), so stock has the memory it had before the engine existed. A
+plain forward (``model(...)``) does not pass through here: call ``release(model)`` before a large
+one.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import threading
 
 from transformers.generation.utils import GenerationMixin
 
-from hf_paged import envs
+from hf_paged import envs, timings
 from hf_paged.config import EngineConfig
 from hf_paged.integration import engine_owner, hooks, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback, call_stock, in_stock, warn_fallback
@@ -188,9 +194,12 @@ def _make_wrapper(original):
             paged_config = as_engine_config(paged_config)  # bad input raises on any path
         if backend is None:
             backend = "hf" if in_stock() else get_default_backend()
-        if backend != "paged":
-            return call_stock(original, self, args, kwargs)
-        return _generate_paged(original, signature, self, args, kwargs, paged_config)
+        with timings.span("client.requests"):  # a generate call is a request phase of its own
+            if backend != "paged":
+                engine_owner.give_back_for_stock(self)
+                with timings.span("model.stock"):
+                    return call_stock(original, self, args, kwargs)
+            return _generate_paged(original, signature, self, args, kwargs, paged_config)
 
     generate.__hf_paged_original__ = original
     return generate
@@ -210,6 +219,7 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
                 )
         except PagedFallback as e:
             fb = e
+    engine_owner.give_back_for_stock(model)  # kept when held (a nested call: "reentrant")
     return call_stock(original, model, args, kwargs, fb)
 
 

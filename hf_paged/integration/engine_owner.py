@@ -8,6 +8,20 @@ weights changed since the build (``fingerprint``: parameter storage, in-place ve
 adapter state; the engine shares the weights but holds fused copies of some). ``hold`` gives the
 owner to one caller for the length of a ``with`` block: other threads wait, and the same thread
 asking again gets ``PagedFallback("reentrant")`` (its requests are in the engine already).
+
+Stock calls beside an engine (``give_back_for_stock``): an engine on a CUDA device took the
+device's free memory (0.9 of it less what was in use at its start), so a stock ``generate`` on
+the same model could run out of memory for its activations. Before every stock call that goes
+through the ``generate`` dispatcher (``backend="hf"``, no switch, or a named fallback) and before
+lm-eval's stock HFLM methods, the model's engine is closed when nobody holds it: its KV cache,
+CUDA graphs, fused weights and the allocator's cached blocks go back, and the next paged call
+builds it again with the same config. The stock call then has what it had before the engine
+existed. Chosen over an engine that keeps room for stock: that room is unknown (beam search on
+an 8B model needs GiBs of activations; a 0.6B model's forward little), while a rebuild costs a
+warm engine start (~2-4 s), paid only when a caller alternates stock and paged calls on one
+model (lm-eval issues one kind of request per call, and fallbacks are rare). An engine that a
+caller holds (a nested stock call inside a paged one, another thread's paged call) is kept; CPU
+engines are kept (their KV cache is a fixed byte count, not the device's free memory).
 """
 
 from __future__ import annotations
@@ -47,6 +61,8 @@ class EngineOwner:
         self.built_with: EngineConfig | None = None if engine is None else engine.config
         self._built_from: tuple | None = None
         self.configured: EngineConfig | None = None  # from ``configure``
+        self.given_back: EngineConfig | None = None  # the config of an engine given back
+        self.gave_back = 0  # engines closed for a stock call (``give_back_for_stock``)
         self._lock = threading.Lock()
         self._holder: int | None = None  # thread id inside ``hold``
 
@@ -66,7 +82,7 @@ class EngineOwner:
     def get(self, config: EngineConfig | None = None):
         """The engine, built or rebuilt for ``config`` (else the configured one, else the one it
         has). Call it while holding the owner (``hold``), or from a single thread."""
-        want = config or self.configured or self.built_with or EngineConfig()
+        want = config or self.configured or self.built_with or self.given_back or EngineConfig()
         if self._build is None:
             return self.engine
         now = self._fingerprint() if self._fingerprint is not None else None
@@ -121,8 +137,49 @@ class EngineOwner:
     def close(self) -> None:
         """Close the engine now (an owner with ``build`` builds a new one on the next ``get``)."""
         engine, self.engine, self.built_with, self._built_from = self.engine, None, None, None
+        self.given_back = None
         if engine is not None:
             engine.close()
+
+    def give_back_for_stock(self) -> bool:
+        """Close the engine before a stock call on the model (module docstring), keeping its
+        config for the next ``get``. Kept: no engine, a fixed engine (no ``build``), one that
+        ``gives_back_for_stock`` says keeps no device memory, one a caller holds.
+
+        Returns:
+            True when the engine was closed.
+        """
+        engine = self.engine
+        if engine is None or self._build is None or not gives_back_for_stock(engine):
+            return False
+        if not self._lock.acquire(blocking=False):  # held: in use by a caller (maybe this one)
+            return False
+        try:
+            if self.engine is not engine:
+                return False
+            config = self.built_with
+            self.close()
+            self.given_back = config
+            self.gave_back += 1
+        finally:
+            self._lock.release()
+        logger.info("hf_paged: closed the model's engine to give its GPU memory to a stock call; "
+                    "the next paged call starts it again")  # fmt: skip
+        return True
+
+
+def gives_back_for_stock(engine) -> bool:
+    """Whether ``engine`` is closed before a stock call on its model: one on a CUDA device.
+    Tests replace it to run the mechanism on CPU."""
+    runtime = getattr(engine, "runtime", None)
+    return str(getattr(runtime, "device", "cpu")).startswith("cuda")
+
+
+def give_back_for_stock(model) -> bool:
+    """Before a stock call on ``model``: close its engine (``EngineOwner.give_back_for_stock``).
+    Nothing happens for a model that never had one. Returns True when one was closed."""
+    owner = existing_owner(model)
+    return owner is not None and owner.give_back_for_stock()
 
 
 def _config_change(old: EngineConfig, new: EngineConfig) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest, RequestGroup
 
 
 def run_external(engine, call):
@@ -71,32 +71,10 @@ def run_external(engine, call):
     return input_ids, scores, raw_logits
 
 
-def _collect_logits(batch: RequestGroup, rids: list, budget: int) -> dict:
-    """Step until every request in ``rids`` has its next-token logits; ``{rid: [V] float32}``."""
-    want, got = set(rids), {}
-    for _ in range(budget):
-        if want <= got.keys():
-            return got
-        res = batch.step()
-        for rid, row in res.logits.items():
-            if rid in want:
-                got[rid] = row  # a preempted request reports again: the same values
-        ended = [r for r in want if r in batch.outputs]
-        if ended:
-            out = batch.outputs[ended[0]]
-            raise RuntimeError(
-                f"the engine ended request {ended[0]!r} itself "
-                f"(finish_reason={out.outputs[0].finish_reason!r})"
-            )
-    if want <= got.keys():
-        return got
-    raise RuntimeError(f"the engine made no progress on {len(want - got.keys())} request(s)")
-
-
 def _gather_logits(batch: RequestGroup, open_rows: list[int], n: int, budget: int) -> torch.Tensor:
     """``[B, V]`` raw next-token logits; rows no longer in the engine get zeros."""
-    got = _collect_logits(batch, [batch.rids[i] for i in open_rows], budget)
-    rows = [got.get(batch.rids[i]) for i in range(n)]
+    got = batch.await_logits([(batch.rids[i], 0) for i in open_rows], budget)
+    rows = [got.get((batch.rids[i], 0)) for i in range(n)]
     zeros = torch.zeros_like(next(iter(got.values())))
     return torch.stack([r if r is not None else zeros for r in rows])
 

@@ -37,8 +37,8 @@ from transformers.generation.stopping_criteria import (
 )
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.request import EngineRequest
-from hf_paged.engine.stop import StopStrings
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.stop_strings import StopStrings
 from hf_paged.integration.assisted import ngram_proposer
 from hf_paged.integration.fallback import PagedFallback
 

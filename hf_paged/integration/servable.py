@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.engine.runtime import quantization_reason
+from hf_paged.engine.servable import quantization_reason
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.models import peft
 

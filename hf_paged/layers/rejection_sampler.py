@@ -14,7 +14,7 @@ Two rules, both keep the longest accepted prefix of the proposal plus one token 
   ``max(0, p - q)`` normalised; when all are kept draw the next token from p. Each emitted token
   is distributed as p given the tokens before it.
 
-Pure functions on tensors; the engine's verification (``engine/spec_decode.py``) calls them.
+Pure functions on tensors; the engine's verification (``engine/spec/spec_decode.py``) calls them.
 """
 
 from __future__ import annotations

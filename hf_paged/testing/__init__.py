@@ -44,7 +44,7 @@ from hf_paged.testing.parity import (
     stock_and_paged,
 )
 from hf_paged.testing.prompts import PAD, left_pad, make_prompts, right_pad, spread_prompts
-from hf_paged.testing.tokenizer import build_char_tokenizer
+from hf_paged.testing.tokenizer import build_bpe_tokenizer, build_char_tokenizer, random_words
 
 __all__ = [
     "FAMILIES",
@@ -54,6 +54,7 @@ __all__ = [
     "FakeComm",
     "ThreadComm",
     "ThreadGroup",
+    "build_bpe_tokenizer",
     "build_char_tokenizer",
     "build_hf_model",
     "build_metadata",
@@ -64,6 +65,7 @@ __all__ = [
     "make_kv_cache",
     "make_prompts",
     "paged_greedy",
+    "random_words",
     "randomize_",
     "right_pad",
     "run_ranks",

@@ -115,7 +115,9 @@ def test_generate_seeded_sampling_equals_llm(ckpt, capsys):
         (["run"], r"run: missing the program"),
         (["run", "/no/script.py"], r"script='/no/script.py' is not allowed: no such file"),
         (["run", "-m"], r"-m needs a module name"),
-        (["run", "--fast", "x.py"], r"option '--fast' is not allowed: options are --report, -m"),
+        (["run", "--fast", "x.py"], r"option '--fast' is not allowed: options are --report, --timings FILE, --backend paged\|hf, -m"),
+        (["run", "--backend", "vllm", "x.py"], r"--backend='vllm' is not allowed: one of paged, hf"),
+        (["run", "--timings"], r"--timings needs a value"),
     ],
 )  # fmt: skip
 def test_bad_input_names_the_argument(ckpt, tmp_path, capsys, argv, message):

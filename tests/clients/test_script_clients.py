@@ -34,7 +34,7 @@ def test_hf_paged_run_on_an_unmodified_script(size, checkpoint, prompts, workroo
 
 def test_datasets_map_helper(size, checkpoint, prompts, workroot, results, stock_reference):
     pytest.importorskip("datasets", reason="datasets is not installed (on the GPU image it "
-                        "comes with the lm-eval wheels, ../shared/tools/lmeval-gpu-wheels.sh)")  # fmt: skip
+                        "comes with the lm-eval wheels: make gpu-wheels)")  # fmt: skip
     ref, stock = stock_reference
     out = workroot / "datasets_map"
     cmd = [sys.executable, TARGETS / "datasets_map_client.py", "--model", checkpoint,

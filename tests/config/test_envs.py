@@ -15,6 +15,7 @@ EXPECTED_DEFAULTS = {
     "HF_PAGED_FUSED": True,
     "HF_PAGED_SKINNY_GEMM": True,
     "HF_PAGED_ARGMAX": True,
+    "HF_PAGED_TOKEN_SCORES": True,
     "HF_PAGED_PDL": True,
     "HF_PAGED_PDL_PREFETCH": True,
     "HF_PAGED_PROFILE": False,

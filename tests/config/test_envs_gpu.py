@@ -11,7 +11,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from hf_paged import envs  # noqa: E402
-from hf_paged.kernels import argmax, fused_act, fused_norm, fused_rope, skinny_gemm  # noqa: E402
+from hf_paged.kernels import (  # noqa: E402
+    argmax,
+    fused_act,
+    fused_norm,
+    fused_rope,
+    skinny_gemm,
+    token_scores,
+)
 
 
 def _dispatch() -> dict[str, bool]:
@@ -28,10 +35,16 @@ def _dispatch() -> dict[str, bool]:
         "rope": fused_rope.supports(q, k, cos, cos.clone()),
         "argmax": argmax.supports(torch.randn(2, 1000, device=dev)),
         "skinny_gemm": skinny_gemm.supports(x, torch.randn(64, 4096, device=dev, dtype=dt)),
+        "token_scores": token_scores.supports(
+            x, torch.zeros(2, dtype=torch.int64, device=dev), torch.empty(2, 2, device=dev)
+        ),
     }
 
 
-ALL_ON = {"norm": True, "act": True, "rope": True, "argmax": True, "skinny_gemm": True}
+ALL_ON = {
+    "norm": True, "act": True, "rope": True, "argmax": True, "skinny_gemm": True,
+    "token_scores": True,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,6 +53,7 @@ ALL_ON = {"norm": True, "act": True, "rope": True, "argmax": True, "skinny_gemm"
         ("HF_PAGED_FUSED", {"norm", "act", "rope"}),
         ("HF_PAGED_ARGMAX", {"argmax"}),
         ("HF_PAGED_SKINNY_GEMM", {"skinny_gemm"}),
+        ("HF_PAGED_TOKEN_SCORES", {"token_scores"}),
     ],
 )
 def test_switch_covers_exactly_its_kernels(monkeypatch, switch, off):

@@ -1,5 +1,6 @@
-"""Fixtures of the engine tests: the prompt-logprob model, and the tiny models the
-speculative-decoding tests share (a target, a draft close to it, one far from it)."""
+"""Fixtures of the engine tests (``tests/engine`` and its rooms ``core/``, ``worker/``,
+``spec/``): the prompt-logprob model, and the tiny models the speculative-decoding tests share (a
+target, a draft close to it, one far from it). A test marked ``gpu`` skips without CUDA."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_paged.testing import build_hf_model, save_tiny_model
+
+
+def pytest_runtest_setup(item):
+    """Hardware is a marker: a ``gpu`` test of these folders skips cleanly without CUDA."""
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (marker gpu)")
 
 
 @pytest.fixture(scope="module")

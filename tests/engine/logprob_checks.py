@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged import LLM
-from hf_paged.engine.outputs import PromptLogprob
+from hf_paged.engine.core.outputs import PromptLogprob
 
 TOL = 1e-5
 

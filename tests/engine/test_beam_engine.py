@@ -13,7 +13,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.engine.proposers import NgramProposer
+from hf_paged.engine.spec.proposers import NgramProposer
 from hf_paged.integration import dispatch
 from hf_paged.testing import build_hf_model
 
@@ -38,7 +38,7 @@ def logits_of(engine: LLMEngine, want: set, max_steps: int = 64) -> dict:
     for _ in range(max_steps):
         if want <= got.keys():
             return got
-        got.update({k: v for k, v in engine.step().beam_logits.items() if k in want})
+        got.update({k: v for k, v in engine.step().logits.items() if k in want})
     assert want <= got.keys(), want - got.keys()
     return got
 

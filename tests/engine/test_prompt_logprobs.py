@@ -3,10 +3,14 @@ prompt (fp32, 1e-5), with chunked prefill, prefix caching, preemption, k = 0 and
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.testing import make_prompts
+from hf_paged.testing import make_prompts, save_tiny_model
 from tests.engine.logprob_checks import check, run
 
 
@@ -20,6 +24,21 @@ def test_matches_stock_forward(logprob_model, k):
     for p, o in zip(prompts, outs):
         check(hf, p, o.prompt_logprobs, k)
         assert len(o.token_ids) == 3
+
+
+def test_mixed_k_in_one_step(logprob_model):
+    """Requests with k = 0, 1 and 4 (and one without prompt logprobs) share steps: the step
+    packs the largest k and each request gets its own k alternatives."""
+    path, hf = logprob_model
+    prompts = make_prompts([12, 30, 7, 21], seed=11)
+    ks = [4, 0, None, 1]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k) for k in ks]
+    outs, _ = run(path, prompts, params)
+    for p, o, k in zip(prompts, outs, ks):
+        if k is None:
+            assert o.prompt_logprobs is None
+        else:
+            check(hf, p, o.prompt_logprobs, k)
 
 
 def test_not_asked_is_none(logprob_model):
@@ -94,3 +113,67 @@ def test_bad_values():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         SamplingParams(prompt_logprobs=0, prompt_logprobs_start=0)
+
+
+# ---- on one GPU (marker ``gpu``; skipped without CUDA by tests/engine/conftest.py) ----
+# Prompt logprobs on one GPU (Triton prefill, chunked, prefix cache on): equal to log_softmax of a
+# stock HF forward in fp32, and the loglikelihood adapter's pieces end to end.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama3_rope", "qwen3"])
+@pytest.mark.parametrize("chunk", [8192, 24])
+def test_prompt_logprobs_match_stock_cuda(tmp_path, family, chunk):
+    path = save_tiny_model(family, str(tmp_path / family), seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    rng = random.Random(0)
+    ps = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 2, 16, 17, 33, 60, 100)]
+    ps.append(list(ps[-1]))  # a repeated prompt
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    with LLM(path, dtype="float32", max_num_batched_tokens=chunk, enforce_eager=False) as llm:
+        outs = llm.generate(ps, params, use_tqdm=False)
+    for p, o in zip(ps, outs):
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        if len(p) == 1:
+            continue
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0, :-1].float(), -1)
+        got = torch.tensor([e.logprob for e in o.prompt_logprobs[1:]])
+        want = lp.gather(1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].cpu()
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        assert [e.rank == 1 for e in o.prompt_logprobs[1:]] == (
+            lp.argmax(-1).cpu() == torch.tensor(p[1:])
+        ).tolist()
+
+
+# ---- on one GPU (marker ``gpu``; skipped without CUDA by tests/engine/conftest.py) ----
+# lm-eval speed paths on one GPU: prompt-logprob requests take overlapped stepping and give what
+# synchronous stepping gives (fp32), and continuations of a context share it through the prefix
+# cache under overlapped stepping (the scheduler's hold-back plus blocks registered at launch).
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_overlapped_equal_sync_cuda(tmp_path):
+    path = save_tiny_model("qwen3", str(tmp_path / "m"), seed=0)
+    rng = random.Random(0)
+    contexts = [[rng.randrange(3, 256) for _ in range(n)] for n in (40, 70, 33)]
+    prompts = [c + [rng.randrange(3, 256) for _ in range(rng.randint(2, 9))]
+               for c in contexts for _ in range(4)]  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2,
+                             prompt_logprobs_start=len(contexts[i // 4]))
+              for i in range(len(prompts))]  # fmt: skip
+    outs, stats = [], []
+    for overlap in (False, True):
+        with LLM(path, dtype="float32", kv_block_size=16, max_num_batched_tokens=64,
+                 async_scheduling=overlap) as llm:  # fmt: skip
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+            stats.append(dict(llm.stats))
+    assert stats[1]["num_overlapped_steps"] > 0 and stats[0]["num_overlapped_steps"] == 0
+    # 3 of the 4 continuations of each context take its full blocks before row len(ctx) - 1
+    want = 3 * sum((len(c) - 1) // 16 * 16 for c in contexts)
+    assert [s["prefix_cache_hit_tokens"] for s in stats] == [want, want]
+    for a, b in zip(*outs, strict=True):
+        for x, y in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert abs(x.logprob - y.logprob) < 1e-4 and x.rank == y.rank

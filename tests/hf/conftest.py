@@ -83,3 +83,9 @@ def counter():
     c.install()
     yield c
     c.uninstall()
+
+
+@pytest.fixture
+def hf_datasets():
+    """The ``datasets`` package; the test skips where it is not installed (the GPU image)."""
+    return pytest.importorskip("datasets", reason="needs the datasets package (not installed)")

@@ -23,8 +23,8 @@ from transformers.generation.logits_process import (
 )
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.outputs import CompletionOutput, RequestOutput
-from hf_paged.engine.request import RequestGroup, run, stream
+from hf_paged.engine.core.outputs import CompletionOutput, RequestOutput
+from hf_paged.engine.core.request import RequestGroup, run, stream
 
 
 @dataclass
@@ -137,7 +137,7 @@ class FakeEngine:
             logits = self._logits(req)
             if req.external:
                 req.paused = True
-                res.logits[req.rid] = logits
+                res.logits[(req.rid, 0)] = logits
                 continue
             tok = self._sample(req, logits)
             req.tokens.append(tok)

@@ -129,3 +129,18 @@ def test_engine_start_is_logged_with_its_reason(hflm, caplog):
     text = caplog.text
     assert "starting an engine (first use)" in text and "engine ready" in text
     assert f"max_model_len={MAX_POS + 1}" in text
+
+
+def test_scoring_runs_take_larger_steps_unless_the_user_set_them(hflm):
+    """A loglikelihood run builds its engine with 16,384-token steps (long prompts run in
+    fewer, larger steps); options the user set through ``hf_paged.configure`` are kept."""
+    from hf_paged.integration.lm_eval.serving import SCORING_BATCHED_TOKENS
+
+    lm, _ = hflm
+    reqs = _requests(random.Random(3), 4, 20, 3)
+    lm._loglikelihood_tokens(reqs)
+    assert dispatch.owner(lm.model).engine.config.max_num_batched_tokens == SCORING_BATCHED_TOKENS
+    dispatch.release(lm.model)
+    dispatch.configure(lm.model, max_num_batched_tokens=512)
+    lm._loglikelihood_tokens(reqs)
+    assert dispatch.owner(lm.model).engine.config.max_num_batched_tokens == 512

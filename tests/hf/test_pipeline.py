@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import transformers
-from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -72,8 +71,8 @@ def test_chat(paged_pipe, stock_pipe):
     assert paged_pipe(chats, batch_size=2, **GREEDY) == stock_pipe(chats, batch_size=2, **GREEDY)
 
 
-def test_key_dataset(paged_pipe, stock_pipe):
-    ds = Dataset.from_dict({"text": PROMPTS})
+def test_key_dataset(paged_pipe, stock_pipe, hf_datasets):
+    ds = hf_datasets.Dataset.from_dict({"text": PROMPTS})
     paged = list(paged_pipe(KeyDataset(ds, "text"), batch_size=2, **GREEDY))
     assert paged == list(stock_pipe(KeyDataset(ds, "text"), batch_size=2, **GREEDY))
 
@@ -193,7 +192,7 @@ def test_from_pretrained_bad_input(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("source", ["paged", "loaded"])
-def test_datasets_map_equals_stock_per_row(paged_pipe, stock_pipe, source, counter):
+def test_datasets_map_equals_stock_per_row(paged_pipe, stock_pipe, source, counter, hf_datasets):
     """Each row as if generated alone, all rows of a map batch in one engine run."""
     hf, tok = stock_pipe.model, stock_pipe.tokenizer
     model = paged_pipe.model if source == "paged" else hf
@@ -202,7 +201,7 @@ def test_datasets_map_equals_stock_per_row(paged_pipe, stock_pipe, source, count
         model, tok, column="q", output_column="a", batch_size=3, use_tqdm=False,
         paged_config=None if source == "paged" else SMALL_ENGINE, **kw,
     )  # fmt: skip
-    ds = Dataset.from_dict({"q": PROMPTS})
+    ds = hf_datasets.Dataset.from_dict({"q": PROMPTS})
     try:
         out = ds.map(fn, **fn.map_kwargs)
         chats = fn({"q": [CHAT, CHAT[:1]]})["a"]  # chat rows (a column of chats)
@@ -255,10 +254,10 @@ def test_datasets_map_bad_input(paged_pipe, stock_pipe):
         paged_generate_map(3, stock_pipe.tokenizer)
 
 
-def test_datasets_map_without_batched_raises(paged_pipe, stock_pipe):
+def test_datasets_map_without_batched_raises(paged_pipe, stock_pipe, hf_datasets):
     """Unbatched rows (a string, a list of ids, a chat) are one row, not a batch of them."""
     fn = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, use_tqdm=False, **GREEDY)
-    ds = Dataset.from_dict({"prompt": ["ab", "cd"]})
+    ds = hf_datasets.Dataset.from_dict({"prompt": ["ab", "cd"]})
     with pytest.raises(ValueError, match=r"one row, not a batch.*batched=True.*fn.map_kwargs"):
         ds.map(fn)
     for row in ([5, 6, 7], CHAT):
@@ -267,10 +266,10 @@ def test_datasets_map_without_batched_raises(paged_pipe, stock_pipe):
     assert len(fn({"prompt": [[5, 6, 7], "ab"]})["generated"]) == 2  # a real batch still runs
 
 
-def test_datasets_map_logs_have_no_nested_bar_codes(paged_pipe, stock_pipe, capfd):
+def test_datasets_map_logs_have_no_nested_bar_codes(paged_pipe, stock_pipe, capfd, hf_datasets):
     """Dataset.map's bar plus ours, written to a file (not a terminal): no cursor-up codes."""
     fn = paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, batch_size=2, **GREEDY)
-    ds = Dataset.from_dict({"prompt": PROMPTS})
+    ds = hf_datasets.Dataset.from_dict({"prompt": PROMPTS})
     capfd.readouterr()
     out = ds.map(fn, **fn.map_kwargs)
     err = capfd.readouterr().err

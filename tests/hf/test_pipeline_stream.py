@@ -9,7 +9,6 @@ import gc
 import pytest
 import torch
 import transformers
-from datasets import Dataset
 from transformers import StoppingCriteria
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -69,8 +68,8 @@ def test_list_of_64_is_one_engine_run(paged_pipe, stock_many, counter, batch_siz
     _no_leaks(paged_pipe.model.engine)
 
 
-def test_key_dataset_is_one_engine_run(paged_pipe, stock_many, counter):
-    ds = Dataset.from_dict({"text": MANY})
+def test_key_dataset_is_one_engine_run(paged_pipe, stock_many, counter, hf_datasets):
+    ds = hf_datasets.Dataset.from_dict({"text": MANY})
     out = paged_pipe(KeyDataset(ds, "text"), batch_size=8, **GREEDY)
     assert not isinstance(out, list)  # lazy, as stock's
     assert list(out) == stock_many[8]
@@ -237,4 +236,26 @@ def test_a_paged_process_default_streams_a_plain_pipeline(stock_pipe, stock_many
         assert (counter.calls, counter.streamed) == (0, 8)
     finally:
         dispatch.set_default_backend(None)
+        dispatch.release(model)
+
+
+def test_a_pipeline_from_the_stock_factory_streams_with_backend_paged(stock_pipe, stock_many,
+                                                                      counter):  # fmt: skip
+    """A program that took ``transformers.pipeline`` before ``import hf_paged`` builds a plain
+    ``TextGenerationPipeline``; with ``backend="paged"`` its many-input calls still stream, and
+    without it they stay stock."""
+    model = stock_pipe.model
+    stock_factory = transformers.pipeline.__hf_paged_original__
+    dispatch.configure(model, **ENGINE)
+    try:
+        pipe = stock_factory("text-generation", model=model, tokenizer=stock_pipe.tokenizer,
+                             backend="paged")  # fmt: skip
+        assert type(pipe) is transformers.TextGenerationPipeline
+        assert pipe(MANY, batch_size=1, **GREEDY) == stock_many[1]
+        assert dispatch.get_engine(model).stats["max_num_running_seqs"] > 8
+        assert (counter.calls, counter.streamed) == (0, 64)
+        plain = stock_factory("text-generation", model=model, tokenizer=stock_pipe.tokenizer)
+        assert plain(MANY[:3], batch_size=1, **GREEDY) == stock_many[1][:3]
+        assert (counter.calls, counter.streamed) == (0, 64)  # stock: nothing went paged
+    finally:
         dispatch.release(model)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from hf_paged import LLM
-from hf_paged.engine.runtime import quantization_method
+from hf_paged.engine.servable import quantization_method
 from hf_paged.integration import dispatch
 from hf_paged.integration.auto import AutoPagedModelForCausalLM
 from hf_paged.testing import (

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from hf_paged.engine.stop import StopStrings, StopTextFilter
+from hf_paged.engine.stop_strings import StopStrings, StopTextFilter
 from hf_paged.integration.lm_eval.generate_until import UntilMatcher
 from hf_paged.testing import build_char_tokenizer
 
@@ -189,7 +189,7 @@ def test_until_filter_sees_a_character_split_over_byte_tokens():
 def test_filled_filter_answers_as_the_lazy_one_and_is_shared(name):
     """``text_filter`` learns the whole vocabulary up front (same answers as learning token by
     token) and hands the same filter to the next call with that tokenizer and stop strings."""
-    from hf_paged.engine.stop import text_filter
+    from hf_paged.engine.stop_strings import text_filter
 
     tok = TOKENIZERS[name]()
     stops = ("\n\n", "ab", " ")

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py, on by default, ``HF_PAGED_PDL=0`` off) on
 Hopper: every kernel gives the same bits launched with PDL (with and without the skinny GEMM's
 first weight tile loaded before the wait) as without, eagerly and in CUDA-graph replay. That
-the engine's greedy tokens do not change with PDL is tests/engine/test_engine_gpu.py's.
+the engine's greedy tokens do not change with PDL is tests/engine/test_engine_parity.py's.
 """
 
 from __future__ import annotations

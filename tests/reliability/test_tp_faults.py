@@ -187,7 +187,7 @@ def test_worker_exits_when_parent_killed_during_startup(runs):
 NO_MAIN_GUARD = """
 import json
 from hf_paged import LLM
-from hf_paged.engine.tp.workers import EngineDeadError
+from hf_paged.engine.worker.tp.workers import EngineDeadError
 try:
     LLM({model!r}, tensor_parallel_size=2, max_model_len=64)
 except EngineDeadError as exc:

@@ -15,7 +15,7 @@ import threading
 import time
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.tp.workers import EngineDeadError
+from hf_paged.engine.worker.tp.workers import EngineDeadError
 
 ENGINE = dict(max_model_len=128, kv_block_size=8, num_kv_blocks=96, tensor_parallel_size=2)
 SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -107,7 +107,7 @@ def orphan(model: str) -> None:
 
 
 def _reader_main(handle) -> None:
-    from hf_paged.engine.tp.shm_broadcast import ShmReader
+    from hf_paged.engine.worker.tp.shm_broadcast import ShmReader
 
     reader = ShmReader(handle, poll_s=0.05)
     while True:
@@ -118,7 +118,7 @@ def shm_reader_killed(_model: str) -> None:
     """Fault 1 at its root: a reader killed while it waits, then the writer broadcasts."""
     import multiprocessing as mp
 
-    from hf_paged.engine.tp.shm_broadcast import ShmBroadcaster
+    from hf_paged.engine.worker.tp.shm_broadcast import ShmBroadcaster
 
     ctx = mp.get_context("spawn")
     writer = ShmBroadcaster(1, 1024, ctx)

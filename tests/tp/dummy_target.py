@@ -26,7 +26,7 @@ class DummyTarget:
         if fail_in_init and rank != 0:
             raise ValueError("dummy construction failed on purpose")
         self.rank = rank
-        # the engine's start (engine/tp/executor.py): the store's default timeout, so rank 0
+        # the engine's start (engine/worker/tp/executor.py): the store's default timeout, so rank 0
         # waits for workers that are alive but slow to import torch (a loaded machine takes
         # minutes), while abort_check ends the wait at once when one of them dies
         self.pg = create_process_group(
@@ -88,7 +88,7 @@ def env_probe(rank, world_size, path):
 
 
 def _sigint_parent() -> None:
-    from hf_paged.engine.tp.workers import WorkerGroup
+    from hf_paged.engine.worker.tp.workers import WorkerGroup
 
     address = f"127.0.0.1:{find_free_port()}"
     group = WorkerGroup(2, DummyTarget, address)

@@ -44,7 +44,7 @@ def test_worker_environment_keeps_what_the_user_set(monkeypatch):
 
 
 def test_spawned_workers_run_with_nvlink_multicast_off(tmp_path, monkeypatch):
-    from hf_paged.engine.tp.workers import WorkerGroup
+    from hf_paged.engine.worker.tp.workers import WorkerGroup
     from tests.tp.dummy_target import env_probe
 
     # setenv first so that monkeypatch restores "unset" after WorkerGroup sets it in this process

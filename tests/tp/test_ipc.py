@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from hf_paged.distributed.process_group import find_free_port
-from hf_paged.engine.tp.shm_broadcast import ShmBroadcaster, ShmReader
-from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
+from hf_paged.engine.worker.tp.shm_broadcast import ShmBroadcaster, ShmReader
+from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing.procfs import pid_alive
 from tests.tp.dummy_target import DummyTarget
 

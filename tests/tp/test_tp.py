@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.tp import executor as tp_executor
-from hf_paged.engine.tp.workers import EngineDeadError, WorkerGroup
+from hf_paged.engine.worker.tp import executor as tp_executor
+from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing import save_tiny_model
 from hf_paged.testing.procfs import shm_segments
 

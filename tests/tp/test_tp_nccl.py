@@ -77,7 +77,7 @@ def test_nccl_tp2_each_rank_takes_its_share(tmp_path):
     of the device's memory, vLLM's per-instance rule) and all take the minimum: memory someone
     else holds on cuda:1 leaves the block count alone while the share is still free there, and
     a start is refused, naming the setting and cuda:1, once it is not."""
-    from hf_paged.engine.tp.workers import EngineDeadError
+    from hf_paged.engine.worker.tp.workers import EngineDeadError
 
     path = save_model("llama", str(tmp_path / "llama"), num_key_value_heads=4)
     cfg = dict(ENGINE, num_kv_blocks=None, gpu_memory_utilization=0.3, tensor_parallel_size=2)

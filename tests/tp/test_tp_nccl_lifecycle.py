@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.tp.workers import EngineDeadError
+from hf_paged.engine.worker.tp.workers import EngineDeadError
 from hf_paged.testing.procfs import pid_alive, shm_segments
 from tests.tp.nccl_models import ENGINE, needs_gpus, prompts, save_model
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.engine.request import EngineRequest
-from hf_paged.engine.stop import StopTextFilter, text_filter
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.stop_strings import StopTextFilter, text_filter
 from hf_paged.integration import paged_call
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests

@@ -24,15 +24,17 @@ several lm-eval ranks, autocast (``mixed_precision_dtype``), a model the engine 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import threading
 
+from hf_paged import timings
 from hf_paged.integration import hooks
-from hf_paged.integration.fallback import PagedFallback, warn_fallback
-from hf_paged.integration.lm_eval import generate_until as _until
-from hf_paged.integration.lm_eval import loglikelihood as _ll
-from hf_paged.integration.lm_eval.serving import is_active
+
+# The request adapters (and through them torch, transformers and the engine) load at the first
+# request, not here: ``hf-paged run`` installs this patch before the program starts, and a
+# program that never serves a request must not pay their import.
 
 HFLM_MODULE = "lm_eval.models.huggingface"
 MODEL_NAME = "hf-paged"
@@ -89,30 +91,51 @@ def _patch(hflm_cls) -> None:
 # ---- the patched methods: paged when active, stock (with a warning) when not served ----------
 
 
-def _serve(method: str, paged, original, self, requests, **kwargs):
-    if not is_active(self) or not requests:
-        return original(self, requests, **kwargs)
-    try:
-        return paged(self, requests, kwargs.get("disable_tqdm", False))
-    except PagedFallback as fb:
-        warn_fallback(fb, f"lm-eval HFLM.{method}")
-        return original(self, requests, **kwargs)
+def _serve(method: str, adapter: str, original, self, requests, **kwargs):
+    """``adapter`` (``"module:function"`` of this package) when this HFLM runs paged, else (or
+    on a named fallback) stock's ``original``."""
+    from hf_paged.integration.fallback import PagedFallback, warn_fallback
+    from hf_paged.integration.lm_eval.serving import is_active
+
+    # the request phase of the client's time breakdown, stock and paged alike
+    with timings.span("client.requests"):
+        if not is_active(self) or not requests:
+            return _stock(original, self, requests, **kwargs)
+        module, _, name = adapter.partition(":")
+        paged = getattr(importlib.import_module(f"hf_paged.integration.lm_eval.{module}"), name)
+        try:
+            return paged(self, requests, kwargs.get("disable_tqdm", False))
+        except PagedFallback as fb:
+            warn_fallback(fb, f"lm-eval HFLM.{method}")
+            return _stock(original, self, requests, **kwargs)
+
+
+def _stock(original, self, requests, **kwargs):
+    """Stock's method, after the model's CUDA engine gave its memory back (stock's own forward
+    calls do not pass through the generate dispatcher; see ``engine_owner``). No engine can
+    exist before ``engine_owner`` is loaded, so a stock-only run does not import it."""
+    owners = sys.modules.get("hf_paged.integration.engine_owner")
+    model = getattr(self, "model", None)
+    if owners is not None and model is not None:
+        owners.give_back_for_stock(model)
+    return original(self, requests, **kwargs)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
     """HFLM._loglikelihood_tokens on the engine: [(logprob, is_greedy)] in request order."""
-    return _serve("loglikelihood", _ll.loglikelihood_tokens, _originals["_loglikelihood_tokens"],
-                  self, requests, disable_tqdm=disable_tqdm, override_bs=override_bs)  # fmt: skip
+    return _serve("loglikelihood", "loglikelihood:loglikelihood_tokens",
+                  _originals["_loglikelihood_tokens"], self, requests, disable_tqdm=disable_tqdm,
+                  override_bs=override_bs)  # fmt: skip
 
 
 def _loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
     """HFLM.loglikelihood_rolling with stock's windows, all scored in one engine run."""
-    return _serve("loglikelihood_rolling", _ll.loglikelihood_rolling,
+    return _serve("loglikelihood_rolling", "loglikelihood:loglikelihood_rolling",
                   _originals["loglikelihood_rolling"], self, requests,
                   disable_tqdm=disable_tqdm)  # fmt: skip
 
 
 def _generate_until(self, requests, disable_tqdm: bool = False):
     """HFLM.generate_until on the engine: the generated strings in request order."""
-    return _serve("generate_until", _until.generate_until, _originals["generate_until"],
+    return _serve("generate_until", "generate_until:generate_until", _originals["generate_until"],
                   self, requests, disable_tqdm=disable_tqdm)  # fmt: skip

@@ -8,7 +8,7 @@ builds stock's windows per document and scores them all in one run.
 
 from __future__ import annotations
 
-from hf_paged.engine.request import EngineRequest
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.integration.lm_eval.scoring import loglikelihood_result, score_params, score_window
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 
@@ -22,7 +22,7 @@ def loglikelihood_tokens(lm, requests, disable_tqdm: bool) -> list[tuple[float, 
     windows = [score_window(ctx, cont, lm.max_length) for _, ctx, cont in requests]
     # the engine's prompt is a window without its last token, plus one discarded new token
     need = max(len(w) for w, _ in windows)
-    with owner_for(lm, need).hold() as held:
+    with owner_for(lm, need, scoring=True).hold() as held:
         outs = run_requests(
             held.get(),
             [EngineRequest(w[:-1], score_params(w, start)) for w, start in windows],

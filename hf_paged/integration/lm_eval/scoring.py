@@ -17,7 +17,7 @@ it (``Scheduler._held_back``), so the requests go in as lm-eval orders them.
 from __future__ import annotations
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.outputs import RequestOutput
+from hf_paged.engine.core.outputs import RequestOutput
 
 
 def score_window(

@@ -32,7 +32,12 @@ def check_served(lm) -> None:
         raise fb
 
 
-def owner_for(lm, max_model_len: int):
+# prompt-scoring steps: long prompts run in fewer, larger steps (evaluation/results/
+# prompt_logprobs_*.json on the H200: 8,192-token steps 123k prompt tokens/s, 16,384 272k)
+SCORING_BATCHED_TOKENS = 16384
+
+
+def owner_for(lm, max_model_len: int, scoring: bool = False):
     """The engine owner of ``lm``'s model, configured so that its engine holds
     ``max_model_len`` tokens (what the run's longest request needs).
 
@@ -40,6 +45,8 @@ def owner_for(lm, max_model_len: int):
     (``hf_paged.configure``) is raised to ``max_model_len`` before the next build, so a run
     builds one engine, never one at the model's default and then another. The model's own
     positions are the floor: stock never feeds more, and a later call may need them.
+    ``scoring`` (loglikelihood requests): an engine still to be built, on options the user did
+    not set, takes steps of ``SCORING_BATCHED_TOKENS``.
     """
     check_served(lm)
     owner = dispatch.owner(lm.model)
@@ -48,8 +55,14 @@ def owner_for(lm, max_model_len: int):
         room = owner.engine.runtime.max_model_len
     else:
         room = want.max_model_len or default_max_model_len(lm.model.config)
+    changes = {}
     if room < max_model_len:
-        owner.configure(dataclasses.replace(want, max_model_len=max_model_len))
+        changes["max_model_len"] = max_model_len
+    if (scoring and owner.engine is None and owner.configured is None
+            and want.max_num_batched_tokens < SCORING_BATCHED_TOKENS):  # fmt: skip
+        changes["max_num_batched_tokens"] = SCORING_BATCHED_TOKENS
+    if changes:
+        owner.configure(dataclasses.replace(want, **changes))
     return owner
 
 

@@ -66,24 +66,44 @@ def _modules() -> list:
 
 
 def install_pipeline() -> None:
-    """Put the wrapper on ``transformers.pipeline`` and ``transformers.pipelines.pipeline``.
-    Idempotent."""
+    """Put the wrapper on ``transformers.pipeline`` and ``transformers.pipelines.pipeline``, and
+    the streaming ``get_iterator`` on ``TextGenerationPipeline`` (for pipelines built by a
+    ``pipeline`` function taken before this, with ``backend="paged"``). Idempotent."""
+    from transformers.pipelines.text_generation import TextGenerationPipeline
+
+    from hf_paged.integration.pipeline.streaming import patched_get_iterator
+
     with _lock:
         current = sys.modules["transformers.pipelines"].pipeline
         original = getattr(current, "__hf_paged_original__", current)
         wrapper = current if original is not current else _make_wrapper(original)
         for module in _modules():
             module.pipeline = wrapper
+        get_iterator = TextGenerationPipeline.__dict__["get_iterator"] if (
+            "get_iterator" in TextGenerationPipeline.__dict__) else None  # fmt: skip
+        if getattr(get_iterator, "__hf_paged_original__", None) is None:
+            TextGenerationPipeline.get_iterator = patched_get_iterator(
+                TextGenerationPipeline.get_iterator
+            )
 
 
 def uninstall_pipeline() -> None:
-    """Restore the original ``pipeline`` function objects."""
+    """Restore the original ``pipeline`` function objects and ``get_iterator``."""
+    from transformers.pipelines.text_generation import TextGenerationPipeline
+
     with _lock:
         for module in _modules():
             current = getattr(module, "pipeline", None)
             original = getattr(current, "__hf_paged_original__", None)
             if original is not None:
                 module.pipeline = original
+        patched = TextGenerationPipeline.__dict__.get("get_iterator")
+        original = getattr(patched, "__hf_paged_original__", None)
+        if original is not None:
+            if getattr(original, "__qualname__", "").startswith("TextGenerationPipeline."):
+                TextGenerationPipeline.get_iterator = original
+            else:  # it was inherited from Pipeline: remove the class's own attribute
+                del TextGenerationPipeline.get_iterator
 
 
 def is_pipeline_installed() -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -44,25 +45,59 @@ class StreamingTextGenerationMixin:
     def get_iterator(
         self, inputs, num_workers, batch_size, preprocess_params, forward_params, postprocess_params
     ):
-        if not _streams(self.model):
-            return super().get_iterator(
-                inputs, num_workers, batch_size, preprocess_params, forward_params,
-                postprocess_params,
-            )  # fmt: skip
-        # stock's own input side: preprocess per item, pad per batch (DataLoader, same workers)
-        if isinstance(inputs, collections.abc.Sized):
-            dataset = PipelineDataset(inputs, self.preprocess, preprocess_params)
-        else:
-            dataset = PipelineIterator(inputs, self.preprocess, preprocess_params)
-            num_workers = min(num_workers, 1)
-        extractor = self.feature_extractor or self.image_processor
-        collate = no_collate_fn if batch_size == 1 else pad_collate_fn(self.tokenizer, extractor)
-        loader = DataLoader(dataset, num_workers=num_workers, batch_size=batch_size,
-                            collate_fn=collate)  # fmt: skip
-        batches = BatchStream(self, loader, forward_params)
-        # stock's own output side: unbatch, then postprocess each item
-        model_iterator = PipelineIterator(batches, _identity, {}, loader_batch_size=batch_size)
-        return PipelineIterator(model_iterator, self.postprocess, postprocess_params)
+        return stream_iterator(self, super().get_iterator, inputs, num_workers, batch_size,
+                               preprocess_params, forward_params, postprocess_params)  # fmt: skip
+
+
+def may_page(pipe, forward_params: dict) -> bool:
+    """Whether a call with these ``forward_params`` (the pipeline's ``generate`` keywords) can
+    send batches to the engine: its ``backend`` is paged, or unset while the process default is
+    paged, or the model is a ``PagedModelForCausalLM``."""
+    from hf_paged.integration import dispatch
+    from hf_paged.integration.auto import PagedModelForCausalLM
+
+    if isinstance(pipe.model, PagedModelForCausalLM):
+        return True
+    backend = forward_params.get("backend")
+    if backend is None and forward_params.get("paged_config") is None:
+        backend = dispatch.get_default_backend()
+    return backend != "hf" and dispatch.is_installed()
+
+
+def stream_iterator(pipe, stock_get_iterator, inputs, num_workers, batch_size,
+                    preprocess_params, forward_params, postprocess_params):  # fmt: skip
+    """``pipe``'s iterator over many inputs: stock's input and output sides around one engine
+    run (``BatchStream``) when the call may go paged, else ``stock_get_iterator``'s."""
+    if not may_page(pipe, forward_params):
+        return stock_get_iterator(inputs, num_workers, batch_size, preprocess_params,
+                                  forward_params, postprocess_params)  # fmt: skip
+    # stock's own input side: preprocess per item, pad per batch (DataLoader, same workers)
+    if isinstance(inputs, collections.abc.Sized):
+        dataset = PipelineDataset(inputs, pipe.preprocess, preprocess_params)
+    else:
+        dataset = PipelineIterator(inputs, pipe.preprocess, preprocess_params)
+        num_workers = min(num_workers, 1)
+    extractor = pipe.feature_extractor or pipe.image_processor
+    collate = no_collate_fn if batch_size == 1 else pad_collate_fn(pipe.tokenizer, extractor)
+    loader = DataLoader(dataset, num_workers=num_workers, batch_size=batch_size,
+                        collate_fn=collate)  # fmt: skip
+    batches = BatchStream(pipe, loader, forward_params)
+    # stock's own output side: unbatch, then postprocess each item
+    model_iterator = PipelineIterator(batches, _identity, {}, loader_batch_size=batch_size)
+    return PipelineIterator(model_iterator, pipe.postprocess, postprocess_params)
+
+
+def patched_get_iterator(original):
+    """``TextGenerationPipeline.get_iterator`` that streams when the call may go paged: a
+    pipeline built by the stock ``pipeline`` function (a program that took it before
+    ``import hf_paged``) with ``backend="paged"`` streams too."""
+
+    @functools.wraps(original)
+    def get_iterator(self, *args):
+        return stream_iterator(self, functools.partial(original, self), *args)
+
+    get_iterator.__hf_paged_original__ = original
+    return get_iterator
 
 
 class PagedTextGenerationPipeline(StreamingTextGenerationMixin, TextGenerationPipeline):
@@ -80,13 +115,6 @@ def streaming_class(cls: type) -> type:
 
 def _identity(x):
     return x
-
-
-def _streams(model) -> bool:
-    from hf_paged.integration import dispatch
-    from hf_paged.integration.auto import PagedModelForCausalLM
-
-    return isinstance(model, PagedModelForCausalLM) or dispatch.is_installed()
 
 
 # ---- per-batch model outputs ------------------------------------------------------------------

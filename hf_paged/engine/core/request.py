@@ -1,0 +1,318 @@
+"""The one way to drive requests through an engine: submit, step, collect, abort-and-drain.
+
+``RequestGroup`` is the step-wise form (callers that act between steps, such as the external
+sampling path of ``generate``); ``stream`` and ``run`` are built on it. Whatever ends a caller's
+loop early (an exception, Ctrl-C, a generator closed by its consumer), every request of the group
+still in flight is aborted and stepped until the engine has reported it, so its KV blocks are
+free and the engine is usable afterwards.
+
+The engine only needs ``add_request`` / ``step`` / ``abort`` / ``has_unfinished_requests`` and a
+``config.max_num_seqs``, so a stand-in engine with that surface works too.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass
+
+from hf_paged.config import SamplingParams
+from hf_paged.engine.core.outputs import RequestOutput
+
+
+@dataclass
+class EngineRequest:
+    """One prompt to run: what ``LLMEngine.add_request`` takes."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text the ids came from, echoed in the RequestOutput
+    stop_strings: object | None = None  # StopStrings for ``params.stop``; None = engine's own
+    proposer: object | None = None  # speculative tokens' proposer (``engine/spec/proposers.py``)
+
+
+def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list of ints (a list, tuple or 1-D tensor of ids).
+
+    Raises:
+        ValueError: empty, an id that is not an int in ``[0, vocab_size)``, or no room for one
+            new token under ``max_model_len``.
+    """
+    if _is_tensor(prompt_token_ids):
+        prompt_token_ids = prompt_token_ids.tolist()
+    ids = list(prompt_token_ids)
+    if not ids:
+        raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
+    # fast path, in C: plain ints in range (bool is a subclass of int, not ``int`` itself)
+    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        _check_each_id(ids, vocab_size)
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt length {len(ids)} is not allowed: it must be < max_model_len={max_model_len} "
+            "(room for at least one new token)"
+        )
+    return ids
+
+
+def _is_tensor(x) -> bool:
+    """A torch tensor, told without importing torch (a tensor exists only once it is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def check_request_args(params, vocab_size: int, *, external_sampling: bool, proposer,
+                       beam_search: bool) -> SamplingParams:  # fmt: skip
+    """``add_request``'s checks on its arguments but the prompt; returns the params (None =
+    defaults).
+
+    Raises:
+        TypeError: ``params`` is not a SamplingParams.
+        ValueError: ``prompt_logprobs_next`` outside the vocabulary, ``n != 1`` or a proposer
+            with external sampling, beam search without external sampling.
+    """
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
+    nxt = params.prompt_logprobs_next
+    if nxt is not None and nxt >= vocab_size:
+        raise ValueError(f"prompt_logprobs_next={nxt} is not allowed: must be in [0, {vocab_size})")
+    if external_sampling and params.n != 1:
+        raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
+    if beam_search and not external_sampling:
+        raise ValueError("beam_search=True is not allowed without external_sampling=True")
+    if proposer is not None and beam_search:
+        raise ValueError(
+            "proposer=... is not allowed with beam_search=True: beams do not speculate"
+        )
+    if proposer is not None and external_sampling:
+        raise ValueError(
+            "proposer=... is not allowed with external_sampling=True: the caller samples each "
+            "token itself"
+        )
+    return params
+
+
+def _check_each_id(ids: list, vocab_size: int) -> None:
+    """Convert ``ids`` to ints in place, raising on the first one that is not allowed."""
+    for pos, t in enumerate(ids):
+        try:  # ints, numpy ints and integer 0-d tensors; not bools, floats or strings
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"prompt_token_ids[{pos}]={t!r} is not allowed: token ids must be ints in "
+                f"[0, {vocab_size}) (the model's vocab_size)"
+            )
+        ids[pos] = operator.index(t)
+
+
+def budget(params: SamplingParams) -> int:
+    """Most tokens a request can generate (the unit of ``stream``'s progress callback)."""
+    return params.max_tokens * params.n
+
+
+class RequestGroup:
+    """The requests one caller added to an engine, stepped until each has been reported.
+
+    Use it as a context manager: leaving the block by an exception (any BaseException, also
+    ``GeneratorExit``) aborts every request of the group still in flight and drains them.
+
+    Attributes:
+        rids: request ids in the order they were added.
+        outputs: request id -> RequestOutput, once the engine reported it.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.rids: list = []
+        self.outputs: dict = {}
+        self._open: set = set()
+        self._new: list[RequestOutput] = []  # reported since the last ``take_finished``
+
+    @property
+    def num_open(self) -> int:
+        """Requests added and not yet reported finished."""
+        return len(self._open)
+
+    def add(self, request: EngineRequest, *, external_sampling: bool = False,
+            beam_search: bool = False):  # fmt: skip
+        """Queue one request; returns its id. Raises what ``add_request`` raises (nothing queued)."""
+        kwargs = {"external_sampling": external_sampling}
+        if beam_search:
+            kwargs["beam_search"] = True
+        if request.prompt is not None:
+            kwargs["prompt"] = request.prompt
+        if request.stop_strings is not None:
+            kwargs["stop_strings"] = request.stop_strings
+        if request.proposer is not None:
+            kwargs["proposer"] = request.proposer
+        rid = self.engine.add_request(request.prompt_token_ids, request.params, **kwargs)
+        self.rids.append(rid)
+        self._open.add(rid)
+        return rid
+
+    def step(self):
+        """One engine step; records this group's finished requests. Returns the step result."""
+        res = self.engine.step()
+        for out in res.finished:
+            if out.request_id in self._open:
+                self._open.discard(out.request_id)
+                self.outputs[out.request_id] = out
+                self._new.append(out)
+        return res
+
+    def await_logits(self, keys, budget: int) -> dict:
+        """Step until every ``(request_id, beam)`` of ``keys`` has its next-token logits (an
+        external-sampling request is beam 0); returns ``{key: logits row}``. A preempted request
+        reports again: the same values.
+
+        Raises:
+            RuntimeError: the engine ended one of the requests itself, or ``budget`` steps did
+                not bring every row.
+        """
+        want, got = set(keys), {}
+        rids = {rid for rid, _ in want}
+        for _ in range(budget):
+            if want <= got.keys():
+                return got
+            res = self.step()
+            got.update((key, row) for key, row in res.logits.items() if key in want)
+            ended = [rid for rid in rids if rid in self.outputs]
+            if ended:
+                out = self.outputs[ended[0]]
+                raise RuntimeError(
+                    f"the engine ended request {ended[0]!r} itself "
+                    f"(finish_reason={out.outputs[0].finish_reason!r})"
+                )
+        if want <= got.keys():
+            return got
+        raise RuntimeError(f"the engine made no progress on {len(want - got.keys())} row(s)")
+
+    def take_finished(self) -> list[RequestOutput]:
+        """This group's requests reported since the last call, in report order."""
+        new, self._new = self._new, []
+        return new
+
+    def close(self, rid) -> None:
+        """End ``rid`` now (paused or not); the engine reports it by a later step."""
+        if rid in self._open:
+            self.engine.abort(rid)
+
+    def drain(self) -> None:
+        """Step until every request of the group has been reported."""
+        while self._open:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine lost {len(self._open)} request(s) of this caller")
+            self.step()
+
+    def abort_all(self) -> None:
+        """Abort every open request and drain them (their blocks are free afterwards)."""
+        for rid in list(self._open):
+            self.engine.abort(rid)
+        self.drain()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            return
+        try:
+            self.abort_all()
+        except Exception:  # the original error matters more than a failed cleanup
+            pass
+
+
+def stream(
+    engine,
+    requests: Iterable[EngineRequest],
+    *,
+    max_in_flight: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> RequestStream:
+    """Run requests, yielding ``(input index, RequestOutput)`` as each finishes.
+
+    Args:
+        engine: an LLMEngine (or the same surface).
+        requests: pulled lazily; at most ``max_in_flight`` are in the engine at once.
+        max_in_flight: None = no bound for a sized collection (list, tuple), and
+            ``4 * max_num_seqs`` for an iterator or generator.
+        progress: called with a number of tokens after every step (tokens generated) and when
+            a request finishes (its unused budget), so the calls add up to the sum of
+            ``max_tokens * n`` over the requests.
+
+    Returns:
+        A ``RequestStream`` (iterate it; use it in ``with`` when it is kept in a variable).
+
+    Raises:
+        ValueError: ``max_in_flight`` is not a positive int; or what ``add_request`` raises.
+    """
+    if max_in_flight is None and not isinstance(requests, Sized):
+        max_in_flight = 4 * engine.config.max_num_seqs
+    if max_in_flight is not None and (
+        isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
+    ):
+        raise ValueError(f"max_in_flight={max_in_flight!r} is not allowed: must be an int >= 1")
+    return RequestStream(_stream(engine, iter(requests), max_in_flight, progress))
+
+
+class RequestStream:
+    """The iterator ``stream`` returns; also a context manager.
+
+    Closing it (``close()``, leaving its ``with`` block, or garbage collection of an unfinished
+    stream) aborts and drains the requests still in flight. A ``for`` loop over
+    ``engine.stream(...)`` itself is closed as soon as an exception leaves the loop; keep a
+    stream in a variable only inside ``with``.
+    """
+
+    def __init__(self, gen: Iterator[tuple[int, RequestOutput]]):
+        self._gen = gen
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, RequestOutput]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _stream(engine, it, max_in_flight, progress):
+    index_of: dict = {}  # request id -> input index
+    budget_of: dict = {}  # request id -> budget(params), for ``progress``
+    num_added, exhausted = 0, False
+    with RequestGroup(engine) as group:
+        while True:
+            while not exhausted and (max_in_flight is None or group.num_open < max_in_flight):
+                req = next(it, None)
+                if req is None:
+                    exhausted = True
+                    break
+                rid = group.add(req)
+                index_of[rid], budget_of[rid] = num_added, budget(req.params)
+                num_added += 1
+            if not group.num_open:
+                return
+            res = group.step()
+            if progress is not None:
+                progress(getattr(res, "num_generated_tokens", 0))
+            for out in group.take_finished():
+                if progress is not None:
+                    used = sum(len(c.token_ids) for c in out.outputs)
+                    progress(max(0, budget_of.pop(out.request_id) - used))
+                yield index_of.pop(out.request_id), out
+
+
+def run(engine, requests: Iterable[EngineRequest], **kwargs) -> list[RequestOutput]:
+    """Every request to completion; outputs in input order (``stream``'s keywords apply)."""
+    done = dict(stream(engine, requests, **kwargs))
+    return [done[i] for i in range(len(done))]

@@ -1,0 +1,41 @@
+"""Executors: how the engine reaches its ModelRunner(s).
+
+``LocalExecutor`` holds rank 0's runner in this process (tensor_parallel_size == 1). The
+multi-rank executor adds worker processes (see ``tp/workers.py``) that mirror every call.
+"""
+
+from __future__ import annotations
+
+from hf_paged import timings
+from hf_paged.engine.core.contracts import ModelInput
+from hf_paged.engine.runtime import RuntimeInfo
+from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
+from hf_paged.engine.worker.runner_output import RunnerOutput
+
+
+class LocalExecutor:
+    """World size 1: rank 0's runner lives here and calls are plain method calls."""
+
+    def __init__(self, runtime: RuntimeInfo, model):
+        source = runtime.model_path if runtime.model_path is not None else model
+        self.runner = ModelRunner(RunnerSpec.from_runtime(runtime, source))
+        self.num_kv_blocks = self.runner.num_kv_blocks
+
+    def run(self, inp: ModelInput, sampling, external_rows) -> RunnerOutput:
+        return self.runner.run(inp, sampling, external_rows)
+
+    def run_async(self, inp: ModelInput, sampling, prev, prev_rows):
+        return self.runner.run_async(inp, sampling, prev, prev_rows)
+
+    def close(self) -> None:
+        self.runner.exit()
+
+
+def create_executor(runtime: RuntimeInfo, model):
+    """The engine's executor, its runner(s) built (timed as ``engine_start``, see timings)."""
+    with timings.span("engine_start"):
+        if runtime.config.tensor_parallel_size == 1:
+            return LocalExecutor(runtime, model)
+        from hf_paged.engine.worker.tp.executor import TPExecutor
+
+        return TPExecutor(runtime, model)

@@ -1,0 +1,423 @@
+"""ModelRunner: one per rank. Loads the model, owns the KV cache, turns a ModelInput into tensors,
+runs the forward pass (eager or a captured decode CUDA graph) and, on rank 0, samples.
+
+Construction, in order: process group -> model + weights on the rank's device ->
+``warmup_model`` (peak memory) -> ``allocate_kv_cache`` -> ``capture_cudagraph``. On CUDA the
+cache is sized from the engine's share of the device (``gpu_memory_utilization``; the arithmetic
+is ``kv_budget.plan_kv_cache``), and ``exit`` gives every byte the runner allocated back to the
+driver, so an engine can be closed and rebuilt, or share the device with other engines.
+The model is any ``hf_paged.models.protocol.PagedModel``: the runner sizes the ``KVCache`` from
+its ``kv_cache_specs`` and passes the cache in every step's ``AttentionMetadata.kv_cache``.
+Rank 0 lives in the engine's process; ranks 1..N-1 live in worker processes whose loop
+(``tp.workers.WorkerGroup``) dispatches what rank 0 broadcasts, by method name, to their runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hf_paged import envs as hf_envs
+from hf_paged import timings
+from hf_paged.attention import select_backend
+from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
+from hf_paged.config import EngineConfig
+from hf_paged.distributed.communicator import Communicator
+from hf_paged.engine.core.contracts import ModelInput
+from hf_paged.engine.worker import kv_budget
+from hf_paged.engine.worker.kv_budget import KVCacheMemoryError, RunnerMemory
+from hf_paged.engine.worker.prompt_scores import score_prompt_rows
+from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
+from hf_paged.engine.worker.step_inputs import StepInputs
+from hf_paged.engine.worker.step_profile import StepProfile
+from hf_paged.layers.context import ModelContext
+from hf_paged.layers.sampler import Sampler, SamplingMetadata
+from hf_paged.models.recurrent.state_pool import StatePool
+from hf_paged.models.registry import build_model
+
+_CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+_engine_numbers = itertools.count(1)  # names this process's engines in memory errors
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a rank needs to build its runner; picklable (crosses to worker processes)."""
+
+    config: EngineConfig
+    hf_config: object  # transformers PretrainedConfig
+    model_source: object  # checkpoint dir (str) or, on rank 0 only, an in-memory HF model
+    device: str  # resolved: "cpu" or "cuda:N" (rank 0's; rank r uses cuda:N+r)
+    dtype: torch.dtype
+    max_model_len: int
+    # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
+    envs: dict = field(default_factory=hf_envs.snapshot)
+
+    @classmethod
+    def from_runtime(cls, runtime, model_source) -> RunnerSpec:
+        """The spec of an engine's runners (``runtime``: its ``RuntimeInfo``)."""
+        return cls(
+            config=runtime.config,
+            hf_config=runtime.hf_config,
+            model_source=model_source,
+            device=runtime.device,
+            dtype=runtime.dtype,
+            max_model_len=runtime.max_model_len,
+        )
+
+
+class ModelRunner:
+    def __init__(self, spec: RunnerSpec, rank: int = 0, comm: Communicator | None = None):
+        hf_envs.apply(spec.envs)  # before anything reads a switch: every rank runs with rank 0's
+        self.spec = spec
+        self.config = spec.config
+        self.rank = rank
+        self.comm = comm or Communicator()
+        self.world_size = self.comm.world_size
+        self.block_size = spec.config.kv_block_size
+        self.device = torch.device(spec.device)
+        self.dtype = spec.dtype
+        # the KV cache's dtype: the model's, or float8_e4m3fn (kv_cache_dtype="fp8")
+        self.kv_dtype = torch.float8_e4m3fn if spec.config.kv_cache_dtype != "auto" else spec.dtype
+        self.max_model_len = spec.max_model_len
+
+        self.kv_cache: KVCache | None = None
+        self.state_pool: StatePool | None = None  # recurrent layers' states (``_build``)
+        self.graph_runner = None
+        self.sampler = None
+        self.model = None
+        self.profile = StepProfile(prefix="runner")  # HF_PAGED_PROFILE=1 turns it on
+        self.inputs = StepInputs(self.device, self.block_size)  # host -> device step inputs
+        # what this runner holds on its device; on CUDA its KV budget (a byte count elsewhere)
+        name = f"engine {next(_engine_numbers)}: " + _model_name(spec)
+        self.memory = RunnerMemory(kv_budget.probe_for(self.device), str(self.device), name)
+        try:
+            self._build(spec)
+        except BaseException:
+            self._release()  # a failed start gives its memory back too
+            raise
+
+    def _build(self, spec: RunnerSpec) -> None:
+        backend = select_backend(self.device.type, spec.config.attention_backend)
+        self.attn_backend = backend
+        self.ctx = ModelContext(
+            backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
+        )
+        with timings.span("engine_start.model_load"):
+            self.model = build_model(
+                spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
+            )
+            self.model.load_weights(spec.model_source)
+        # drop the source: an in-memory HF model must not be kept alive by its engine
+        self.spec = spec = dataclasses.replace(spec, model_source=None)
+        self.model.eval()
+        self.kv_specs: list[KVCacheSpec] = list(self.model.kv_cache_specs)
+        state_specs = list(getattr(self.model, "state_specs", None) or [])
+        if not self.kv_specs and not state_specs:
+            raise ValueError(f"{type(self.model).__name__}.kv_cache_specs is empty")
+        # recurrent layers: one state slot per sequence that can run, allocated before the
+        # warm-up so that the KV cache is sized from what is left
+        self.state_pool = None
+        if state_specs:
+            self.state_pool = StatePool(state_specs, spec.config.max_num_seqs, self.device)
+            self.inputs.state_pool = self.state_pool
+        self.sampler = Sampler(self._make_generator()) if self.rank == 0 else None
+
+        with timings.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
+            self.warmup_model()
+        self.memory.loaded()
+        with timings.span("engine_start.kv_cache"):
+            self.num_kv_blocks = self.allocate_kv_cache()
+        self.cuda_graph_reason = self._cuda_graph_problem()
+        if self.device.type == "cuda" and self.cuda_graph_reason is None:
+            with timings.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
+                self.capture_cudagraph()  # decode compiles and captures
+        self.memory.register(self.kv_cache.nbytes())
+
+    # ---- construction steps -------------------------------------------------------------
+
+    def _make_generator(self) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(self.config.seed)
+        return g
+
+    def _set_kv_cache(self, num_blocks: int) -> KVCache:
+        """Set the runner's KV cache to a zeroed one of ``num_blocks`` blocks (the steps
+        prepared from now on carry it in their metadata)."""
+        self.kv_cache = KVCache(
+            self.kv_specs, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
+        return self.kv_cache
+
+    def _cuda_graph_problem(self) -> str | None:
+        """Why decode will run eagerly (None = it is captured, on CUDA)."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if not getattr(self.model, "supports_cuda_graph", False):
+            why = getattr(self.model, "cuda_graph_reason", None) or "the model says so"
+            return f"{type(self.model).__name__} does not support CUDA graphs: {why}"
+        if not self.attn_backend.supports_cuda_graph:
+            return f"the {self.attn_backend.name!r} attention backend is not CUDA-graph safe"
+        if self.ctx.fallbacks:
+            return f"layers {sorted(self.ctx.fallbacks)} use the torch reference attention"
+        return None
+
+    def warmup_model(self) -> None:
+        """A synthetic prefill at the largest step size, to compile kernels and measure the
+        activations' peak memory (``RunnerMemory.profile_run``). Only where the KV cache is
+        sized from memory (CUDA): on CPU the budget is a byte count. Its temporaries (a small
+        KV cache, the inputs) are freed and handed back."""
+        if not self.memory.active:
+            return
+        step = self._warmup_inputs()
+        with self.memory.profile_run():
+            self._warmup_forward(*step)
+        del step
+        self.kv_cache.release()
+        self.kv_cache = None
+        self.memory.probe.release_cached(collect=False)  # plain temporaries: no cycles
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.memory.activation_peak
+
+    def _warmup_inputs(self):
+        """A temporary real KV cache and the largest prefill step's inputs, made by
+        ``StepInputs.prefill`` as for a served step, so the kernels compile for the same layout."""
+        max_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.max_model_len, max_tokens)
+        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._set_kv_cache(num_seqs * blocks_per_seq)  # freed by the caller
+        inp = ModelInput.synthetic_prefill([seq_len] * num_seqs, blocks_per_seq)
+        return self.inputs.prefill(inp, self.kv_cache)
+
+    @torch.inference_mode()
+    def _warmup_forward(self, input_ids, positions, meta, logits_idx) -> torch.Tensor | None:
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_idx])
+
+    def kv_block_bytes(self) -> int:
+        """Bytes one block id costs: every layer's K and V (layers may differ)."""
+        return KVCache.block_bytes(self.kv_specs, self.block_size, self.kv_dtype)
+
+    def allocate_kv_cache(self) -> int:
+        """Size and allocate the KV cache; returns the block count (MIN over ranks). Without
+        ``num_kv_blocks`` / ``kv_cache_bytes``, on CUDA, the count comes from the engine's
+        share of the device (``RunnerMemory.plan_kv_cache``).
+
+        Raises:
+            KVCacheMemoryError: the share is not free, or holds too few blocks (with TP: raised
+                after every rank took part in the MIN, so none waits on the others).
+            ValueError: a fixed count below one max_model_len sequence.
+        """
+        cfg = self.config
+        block_bytes = self.kv_block_bytes()
+        error = None
+        if block_bytes == 0:  # recurrent layers alone: blocks are bookkeeping, free of memory
+            num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(
+                -self.max_model_len // self.block_size
+            )
+        elif cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_bytes is not None:
+            num_blocks = cfg.kv_cache_bytes // block_bytes
+        elif self.memory.active:
+            try:
+                num_blocks = self.memory.plan_kv_cache(
+                    cfg.gpu_memory_utilization, block_bytes, self.block_size, self.max_model_len
+                ).num_blocks
+            except KVCacheMemoryError as exc:
+                num_blocks, error = 0, exc
+        else:
+            num_blocks = _CPU_DEFAULT_KV_BYTES // block_bytes
+        own = num_blocks
+        t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
+        if error is not None:
+            raise error
+        need = -(-self.max_model_len // self.block_size)
+        if num_blocks < need:
+            where = (
+                f"another rank of this engine holds only {num_blocks} KV blocks (its own error "
+                "says why)"
+                if own >= need
+                else f"the KV cache holds {num_blocks} blocks"
+            )
+            raise ValueError(
+                f"{where} of {self.block_size} tokens ({block_bytes} bytes each) but "
+                f"max_model_len={self.max_model_len} needs {need}: raise num_kv_blocks / "
+                "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self._set_kv_cache(num_blocks)
+        return num_blocks
+
+    def capture_cudagraph(self) -> None:
+        from hf_paged.engine.worker.cuda_graph import DecodeGraphRunner
+
+        self.graph_runner = DecodeGraphRunner(self)
+
+    # ---- per step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_model(self, input_ids, positions, meta, logits_indices) -> torch.Tensor | None:
+        """Forward pass -> logits [N_sample, V] on rank 0 (None elsewhere). Decode batches
+        replay the smallest captured graph that fits."""
+        if meta.is_decode and self.graph_runner is not None and self.graph_runner.fits(meta):
+            hidden = self.graph_runner.replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    @torch.inference_mode()
+    def run_model_scoring(self, inp: ModelInput, input_ids, positions, meta, logits_indices):
+        """``run_model`` for a step with prompt-logprob rows (never a decode graph): also
+        returns their ``PromptScores`` on rank 0, still on the device (``score_prompt_rows``)."""
+        hidden = self.model(input_ids, positions, meta)  # [T, H]
+        logits = self.model.compute_logits(hidden[logits_indices])
+        scores = score_prompt_rows(self.model.compute_logits, hidden, inp.chunks,
+                                   meta.cu_seqlens_q_cpu)  # fmt: skip
+        return logits, scores
+
+    def run(
+        self,
+        inp: ModelInput,
+        sampling: SamplingMetadata | None = None,
+        external_rows: tuple[int, ...] = (),
+    ) -> RunnerOutput | None:
+        """One engine step. Rank 0 samples the logits rows not in ``external_rows`` (indices
+        among all logits rows, ``ScheduledChunk.num_logits`` per sampling chunk) with
+        ``sampling`` (one row each, in order) and returns the external rows' raw logits."""
+        prof = self.profile
+        with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
+            self._copy_states(inp.states_to_copy)
+            input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
+        scores = None
+        with prof.section("forward_launch"):
+            if any(c.prompt_rows is not None for c in inp.chunks):
+                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+            else:
+                logits = self.run_model(input_ids, positions, meta, logits_idx)
+        if self.rank != 0 or logits is None:
+            return None
+        num_rows = logits.shape[0]
+        external = set(external_rows)
+        internal = [i for i in range(num_rows) if i not in external]
+        scores = scores.copy_to_host() if scores is not None else None  # read after sampling
+        out = RunnerOutput(sampled_token_ids=[-1] * num_rows)
+        if internal:
+            rows = logits if not external else logits[internal]
+            with prof.section("sample_launch"):
+                result = self.sampler(rows, sampling)
+            with prof.section("wait_gpu"):  # the step's only host sync
+                tokens = result.token_ids.tolist()
+            for i, tok in zip(internal, tokens):
+                out.sampled_token_ids[i] = tok
+            if result.logprobs is not None:
+                out.logprobs = [None] * num_rows
+                for i, lp in zip(internal, result.logprobs):
+                    out.logprobs[i] = lp
+        if external:
+            # they stay on the device: HF's processors and criteria run there, as in stock
+            ext_logits = logits[list(external_rows)].float()
+            out.logits = [None] * num_rows
+            for j, i in enumerate(external_rows):
+                out.logits[i] = ext_logits[j]
+        if scores is not None:
+            out.prompt_logprobs = scores.entries()
+        return out
+
+    def run_async(
+        self,
+        inp: ModelInput,
+        sampling: SamplingMetadata | None,
+        prev: PendingTokens | None = None,
+        prev_rows: list[int] | None = None,
+    ) -> PendingTokens:
+        """Rank 0, one rank: like ``run`` for internally sampled rows, without waiting for the
+        tokens. A chunk whose ``prev_rows`` entry is r >= 0 is one placeholder token whose value
+        is row r of ``prev``'s sampled tokens, taken on the device."""
+        prof = self.profile
+        with prof.section("prepare"):
+            self.kv_cache.copy_blocks(inp.blocks_to_copy)
+            self._copy_states(inp.states_to_copy)
+            input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
+            if prev is not None and prev_rows is not None:
+                cu = meta.cu_seqlens_q_cpu
+                pairs = [(cu[i], r) for i, r in enumerate(prev_rows) if r >= 0]
+                if pairs:
+                    idx = self.inputs.to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
+                    input_ids[idx[0]] = prev.tokens[idx[1]]
+        scores = None
+        with prof.section("forward_launch"):
+            if any(c.prompt_rows is not None for c in inp.chunks):
+                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+            else:
+                logits = self.run_model(input_ids, positions, meta, logits_idx)
+        with prof.section("sample_launch"):
+            if sampling is None:  # prefill chunks only: nothing sampled
+                return PendingTokens(logits.new_empty(0, dtype=torch.int64), scores)
+            return PendingTokens(self.sampler(logits, sampling).token_ids, scores)
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots of a recurrent model's pool (0 without recurrent layers)."""
+        return self.state_pool.num_slots if self.state_pool is not None else 0
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """Bytes one sequence's recurrent states take over all layers (0 without them)."""
+        return self.state_pool.slot_bytes if self.state_pool is not None else 0
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Forks' states, every source read before any destination is written."""
+        if not copies or self.state_pool is None:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for states in self.state_pool.layers:
+            for t in states.values():
+                t[dst] = t[src]
+
+    # ---- lifecycle / IPC ----------------------------------------------------------------
+
+    def exit(self) -> None:
+        """Give back everything this runner holds (graphs, KV cache, weights, staging
+        buffers, the allocator's cached blocks), then leave the process group. Safe twice."""
+        self._release()
+        if self.world_size > 1 and self.comm.group is not None:
+            from hf_paged.distributed.process_group import destroy_process_group
+
+            destroy_process_group(self.comm.group)
+
+    def _release(self) -> None:
+        """Drop every tensor this runner made. The graphs go first (their pool holds captured
+        tensors and they read the KV cache), then the cache, the model (weights the engine
+        loaded or fused; an in-memory HF model keeps its own), the sampler's generator, the
+        backend's tensors and the pinned staging buffers; on CUDA the allocator's now unused
+        blocks go back to the driver."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+            self.kv_cache = None
+        self.state_pool = None
+        self.inputs.state_pool = None
+        self.model = None
+        self.sampler = None
+        backend = getattr(self, "attn_backend", None)
+        if backend is not None:
+            backend.release()
+        self.ctx = None
+        self.inputs.release()
+        self.memory.release()
+
+
+def _model_name(spec: RunnerSpec) -> str:
+    archs = getattr(spec.hf_config, "architectures", None) or [type(spec.hf_config).__name__]
+    return f"{archs[0]} (max_model_len={spec.max_model_len})"

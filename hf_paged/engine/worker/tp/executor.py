@@ -1,0 +1,179 @@
+"""Tensor-parallel executor: rank 0's ModelRunner here, ranks 1..N-1 in spawned workers.
+
+Every step rank 0 broadcasts the ModelInput through shared memory (``tp.workers.WorkerGroup``), then
+runs it itself; the ranks meet in the collectives inside the forward pass (row-parallel
+all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``.
+
+Ctrl-C: every rank must make the same collectives in the same order, so a KeyboardInterrupt in
+the middle of rank 0's step would leave a worker waiting on collectives rank 0 never makes (and
+the next step's mismatched sizes abort the process in gloo). So during a step (main thread, with
+Python's default SIGINT handler) a first Ctrl-C is held until the step ends on every rank and
+then raised: the engine stays usable. A second Ctrl-C in the same step, or any other
+``BaseException`` escaping mid-step, interrupts at once; the workers are then stopped and later
+calls raise a RuntimeError that says to create a new engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+
+import torch
+
+from hf_paged.distributed.communicator import Communicator
+from hf_paged.distributed.process_group import create_process_group, reserve_port
+from hf_paged.engine.core.contracts import ModelInput
+from hf_paged.engine.runtime import RuntimeInfo
+from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
+from hf_paged.engine.worker.runner_output import RunnerOutput
+from hf_paged.engine.worker.tp.workers import WorkerGroup
+from hf_paged.models.registry import tp_split_problem
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r of an engine on ``cuda:N`` uses ``cuda:N+r``; CPU ranks share the CPU."""
+    if device.startswith("cuda"):
+        base = int(device.split(":")[1]) if ":" in device else 0
+        return f"cuda:{base + rank}"
+    return device
+
+
+def build_runner(
+    rank: int, world_size: int, spec: RunnerSpec, address: str, abort_check=None, listen=None
+):
+    """Process group + ModelRunner for one rank (the WorkerGroup target factory).
+
+    ``listen`` (rank 0): the store's listening socket from ``reserve_port`` (loopback only).
+    """
+    device = rank_device(spec.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    spec = dataclasses.replace(spec, device=device)
+    pg = create_process_group(
+        rank, world_size, address, "cuda" if device.startswith("cuda") else "cpu",
+        abort_check=abort_check, listen_socket=listen,
+    )  # fmt: skip
+    return ModelRunner(spec, rank, Communicator(rank, world_size, pg))
+
+
+class TPExecutor:
+    def __init__(self, runtime: RuntimeInfo, model):
+        world = runtime.config.tensor_parallel_size
+        if runtime.model_path is None:
+            raise ValueError(
+                f"tensor_parallel_size={world} needs a checkpoint directory as model (each rank "
+                "loads only its shard), not an in-memory model"
+            )
+        if runtime.device.startswith("cuda"):
+            base = int(runtime.device.split(":")[1])
+            if base + world > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
+                    f"{torch.cuda.device_count()} CUDA devices"
+                )
+        problem = tp_split_problem(runtime.hf_config, world)
+        if problem is not None:  # said before a worker starts (each would fail the same way)
+            raise ValueError(problem)
+        spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
+        # The store's socket is bound here, to 127.0.0.1 only (TCPStore alone would listen on
+        # every interface), and handed over: no other process can take the port in between.
+        listen = reserve_port("127.0.0.1")
+        address = f"127.0.0.1:{listen.getsockname()[1]}"
+        heartbeat = runtime.config.tp_heartbeat_timeout_s
+        self._broken: str | None = None
+        try:
+            self.group = WorkerGroup(
+                world, build_runner, spec, address, heartbeat_timeout=heartbeat
+            )
+        except BaseException:
+            listen.close()
+            raise
+        try:
+            self.runner = build_runner(0, world, spec, address, self.group.check, listen)
+            self.group.wait_ready()
+        except BaseException as exc:
+            if listen.fileno() >= 0:  # not yet handed to the store
+                listen.close()
+            try:
+                if isinstance(exc, Exception):
+                    self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
+            finally:
+                self.group.close()
+                if getattr(self, "runner", None) is not None:  # built, a worker failed after
+                    self.runner.exit()  # its memory goes back now, not when collected
+            raise
+        if runtime.device.startswith("cuda"):
+            self.group.watch_process_group(self.runner.comm.group)
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self._closed = False
+
+    def run(self, inp: ModelInput, sampling, external_rows) -> RunnerOutput:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"this tensor-parallel engine cannot run any more: {self._broken}, so its ranks "
+                "are out of step and its workers were stopped. Create a new LLM / engine."
+            )
+        self.group.check()
+        with _SigintHeld() as held:
+            try:
+                self.group.broadcast("run", inp)
+                out = self.runner.run(inp, sampling, external_rows)
+            except Exception as exc:
+                self.group.raise_if_dead(exc)
+                self._stop(f"rank 0 raised {type(exc).__name__} in the middle of a step")
+                raise
+            except BaseException as exc:
+                self._stop(f"it was interrupted in the middle of a step ({type(exc).__name__})")
+                raise
+        held.raise_if_pending()  # every rank finished the step: safe to stop here
+        return out
+
+    def _stop(self, reason: str) -> None:
+        self._broken = reason
+        self.group.close(timeout=1.0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.group.close()
+        finally:
+            self.runner.exit()
+            # Drop the process group (and with it the store's and gloo's listening sockets)
+            # now, not when the LLM object is collected: layers share this Communicator.
+            self.runner.comm.group = None
+
+
+class _SigintHeld:
+    """Holds a first SIGINT until ``raise_if_pending``; a second one raises at once.
+
+    Only on the main thread and while Python's default handler is installed; otherwise inert.
+    """
+
+    def __init__(self):
+        self.pending = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+        return False
+
+    def raise_if_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def _handler(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
