@@ -127,7 +127,7 @@ def test_assisted_decoding_raises_as_stock():
 
 def test_speculative_proposer_is_refused_by_name(tmp_path):
     from hf_paged import LLM
-    from hf_paged.engine.proposers import NgramProposer
+    from hf_paged.engine.spec.proposers import NgramProposer
 
     _, hf = build_tiny("qwen3_5_text")
     with LLM(hf, kv_block_size=4, max_model_len=64, num_kv_blocks=64) as llm:
