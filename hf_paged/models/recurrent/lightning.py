@@ -85,7 +85,8 @@ class LightningAttentionMixer(RecurrentMixer):
         self.hf = m
         self.heads, self.head_dim = m.num_attention_heads, m.head_dim
         # log decay per head: -slope (the module's own formula, not a loaded buffer)
-        self._log_decay = -m.get_slope_rate().flatten().float()  # [H]
+        dev = m.qkv_proj.weight.device  # on it once: no host copy in a captured decode step
+        self._log_decay = -m.get_slope_rate(device=dev).flatten().float()  # [H]
 
     @classmethod
     def from_hf(cls, hf_module: nn.Module) -> LightningAttentionMixer:
@@ -105,7 +106,7 @@ class LightningAttentionMixer(RecurrentMixer):
         m, t, h, d = self.hf, hidden.shape[0], self.heads, self.head_dim
         qkv = m.act_fn(m.qkv_proj(hidden)).reshape(t, h, 3 * d).float()
         q, k, v = torch.split(qkv, d, dim=-1)  # [T, H, D] each
-        g = self._log_decay.to(hidden.device).expand(t, h)
+        g = self._log_decay.expand(t, h)
         pool, idx, has = states["kv"], meta.state_indices, meta.has_initial_state
         s0 = pool.index_select(0, idx).float()
         s0 = torch.where(has[:, None, None, None], s0, torch.zeros_like(s0))
