@@ -235,7 +235,8 @@ def markdown_table(
         f"{c['served']} of {c['built']} decoder-only text architectures that build tiny are "
         f"served ({c['served_pct']}%), {c['fallback']} fall back with a named reason, "
         f"{c['failure']} fail. Tiny random fp32 models (hidden {HIDDEN}, 2 layers, vocab "
-        f"{VOCAB}), left-padded prompts of {', '.join(map(str, PROMPT_LENS))} tokens, "
+        f"{VOCAB}; the hybrid and recurrent families 2-4 layers of their own kinds, stock's "
+        f"reference each prompt alone), left-padded prompts of {', '.join(map(str, PROMPT_LENS))} tokens, "
         f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {block_size}{wide_text}; transformers "
         f"{_tf_version()}.",
         "",
