@@ -41,6 +41,13 @@ class AttentionMetadata:
     # the paged caches, indexed by KV layer: kv_cache[i] -> (k_cache, v_cache). None = no cache
     # (a profile pass): attention then covers the new tokens only, with nothing cached before.
     kv_cache: KVCache | None = None
+    # models with recurrent layers (``models/recurrent``): each sequence's state-pool slot
+    # ([num_seqs] int64, never 0; padded CUDA-graph rows: 0, the dummy), whether the slot holds
+    # a state already ([num_seqs] bool: num_computed_tokens > 0), and the pool's tensors per
+    # recurrent layer (name -> [num_slots + 1, ...]). None for models without them.
+    state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    recurrent_states: list[dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,11 @@ class KVCache:
     allocation ``[2, n_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V
     together when their head dims agree), so a uniform model has today's single tensor and every
     layer's caches have the same strides. Zero-filled (a graph's padding rows read them).
+    A model of recurrent layers alone (Mamba) has no specs: the cache then holds nothing and its
+    blocks are bookkeeping only.
 
     Raises:
-        ValueError: no specs, or a block count < 1.
+        ValueError: a block count < 1.
     """
 
     def __init__(
@@ -54,8 +56,6 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        if not specs:
-            raise ValueError("KVCache needs at least one KVCacheSpec (a model without KV layers?)")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
         self.specs = list(specs)
@@ -64,6 +64,7 @@ class KVCache:
         self.dtype = dtype
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(specs)  # type: ignore[list-item]
         self.storage: list[torch.Tensor] = []  # the allocations, one or two per distinct spec
+        self.released = False
         groups: dict[KVCacheSpec, list[int]] = {}
         for i, spec in enumerate(self.specs):
             groups.setdefault(spec, []).append(i)
@@ -97,7 +98,7 @@ class KVCache:
             RuntimeError: after ``release``.
             IndexError: ``layer`` outside 0..len-1.
         """
-        if not self.storage:
+        if self.released:
             raise RuntimeError("this KVCache was released")
         return self._layers[layer]
 
@@ -108,7 +109,7 @@ class KVCache:
         """Copy block ``src`` onto block ``dst`` for each ``(src, dst)``, K and V of every layer
         (copy on write of forked blocks). Every source is read before any destination is
         written; destinations must be distinct."""
-        if not pairs:
+        if not pairs or not self.storage:
             return
         device = self.storage[0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
@@ -124,6 +125,7 @@ class KVCache:
         """Drop every tensor (the memory returns once no view is left elsewhere)."""
         self._layers = [None] * len(self.specs)  # type: ignore[list-item]
         self.storage = []
+        self.released = True
 
     def __repr__(self) -> str:
         return (

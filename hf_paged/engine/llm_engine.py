@@ -24,6 +24,8 @@ proposed tokens per step in one forward pass and keeps what the model agrees wit
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from itertools import count
 
@@ -54,6 +56,8 @@ from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop_strings import StopStrings, StopStringsCache
 from hf_paged.engine.worker.step_profile import StepProfile
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     """Paged-KV engine for one model.
@@ -82,9 +86,21 @@ class LLMEngine:
 
         self.executor = create_executor(self.runtime, model)
         self.runtime.num_kv_blocks = self.executor.num_kv_blocks
+        # recurrent layers: a state slot per sequence, and no prefix caching (a cached block
+        # has no state snapshot to start from)
+        runner = self.executor.runner
+        self.num_state_slots = runner.num_state_slots
+        self.state_slot_bytes = runner.state_slot_bytes
+        if self.num_state_slots and self.config.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off: %s has recurrent layers, whose per-sequence state a "
+                "cached KV prefix cannot restore", type(runner.model).__name__,
+            )  # fmt: skip
+            self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
         self.block_manager = BlockManager(
-            self.runtime.num_kv_blocks, self.config.kv_block_size, self.config.enable_prefix_caching
-        )
+            self.runtime.num_kv_blocks, self.config.kv_block_size,
+            self.config.enable_prefix_caching, num_state_slots=self.num_state_slots,
+        )  # fmt: skip
         overlap = self.config.async_scheduling
         if overlap is None:  # auto: where the host has something to hide (one CUDA rank)
             overlap = self.runtime.device != "cpu" and self.config.tensor_parallel_size == 1
@@ -146,6 +162,12 @@ class LLMEngine:
         self._check_open()
         if proposer is not None:
             check_proposer(proposer)
+            if self.num_state_slots:
+                raise ValueError(
+                    f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
+                    "layers, whose per-sequence state cannot take back rejected speculative "
+                    "tokens; allowed: proposer=None"
+                )
         params = check_request_args(
             params, self.runtime.vocab_size, external_sampling=external_sampling,
             proposer=proposer, beam_search=beam_search,

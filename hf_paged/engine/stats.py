@@ -25,6 +25,12 @@ def engine_stats(engine) -> dict:
         "spec_num_draft_tokens": spec.num_draft_tokens,
         "spec_num_accepted_tokens": spec.num_accepted_tokens,
         "spec_acceptance_rate": spec.acceptance_rate,
+        # recurrent layers: one state slot per sequence that can run (max_num_seqs), reserved
+        # before the KV cache was sized; bytes of one slot over all layers
+        "num_state_slots": engine.num_state_slots,
+        "state_slot_bytes": engine.state_slot_bytes,
+        "state_pool_bytes": engine.state_slot_bytes
+        * (engine.num_state_slots + 1 if engine.num_state_slots else 0),
         **_profile_stats(engine),
     }
 

@@ -116,6 +116,7 @@ def route(
         ids = generate_kwargs["input_ids"].repeat_interleave(rows_per_input, dim=0)
         return _native(ids, ids.tolist(), pad, plan, runtime_of())
     call = prepare_call(model, **generate_kwargs)
+    _check_recurrent(model, call)
     if call.beams:
         return Beams(call)
     spec = spec_plan(call) if call.assisted else None  # its refusals need no engine
@@ -179,3 +180,31 @@ def _attach_proposer(native: Native, assistant, drafts: DraftHold | None) -> Non
 
 
 __all__ = ["Beams", "DraftHold", "External", "Native", "route"]
+
+
+def _check_recurrent(model, call) -> None:
+    """Beams and assisted decoding of a model with recurrent layers run stock: a beam would
+    copy its state at every fork, and a rejected speculative token cannot be taken back out of
+    a recurrent state.
+
+    Raises:
+        PagedFallback: such a call.
+    """
+    if not (call.beams or call.assisted):
+        return
+    from hf_paged.models.recurrent.registry import recurrent_modules
+
+    found = recurrent_modules(model)
+    if not found:
+        return
+    layer = type(found[0][1]).__name__
+    if call.beams:
+        raise PagedFallback(
+            "recurrent_beams",
+            f"beam search on a model with recurrent layers ({layer}) is not served paged yet",
+        )
+    raise PagedFallback(
+        "recurrent_assisted",
+        f"assisted decoding on a model with recurrent layers ({layer}): a recurrent state "
+        "cannot take back rejected speculative tokens",
+    )

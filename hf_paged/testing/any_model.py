@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_paged.testing.hybrid_configs import HYBRID_TINY
 from hf_paged.testing.models import randomize_
 
 VOCAB = 192
@@ -97,7 +98,8 @@ def _shrink_per_layer(d: dict, layer_types) -> dict:
 
 
 def shrink_config(config):
-    """A tiny copy of ``config`` (see ``_SMALL``); per-layer lists cut to two layers."""
+    """A tiny copy of ``config`` (see ``_SMALL``); per-layer lists cut to two layers; a hybrid or
+    recurrent family then gets its own fields (``hybrid_configs.HYBRID_TINY``)."""
     d = config.to_dict()
     n_orig = getattr(config, "num_hidden_layers", None)
     keys = set(d) | set(getattr(config, "attribute_map", {}))
@@ -119,6 +121,7 @@ def shrink_config(config):
             d[k] = _layer_list(v, 2)
     if isinstance(d.get("per_layer_config"), dict) and d["per_layer_config"]:
         d["per_layer_config"] = _shrink_per_layer(d, getattr(config, "layer_types", None))
+    d.update(HYBRID_TINY.get(config.model_type, {}))  # the family's own fields, as a whole
     d.pop("transformers_version", None)
     d.pop("architectures", None)
     return type(config)(**{k: v for k, v in d.items() if k != "model_type"})

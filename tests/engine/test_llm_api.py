@@ -81,12 +81,17 @@ def test_unknown_engine_kwarg(llm, tmp_path):
         LLM(path, max_num_seq=3)
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, monkeypatch):
     from transformers import MambaConfig, MambaForCausalLM
 
+    from hf_paged.models.recurrent import registry
+
+    monkeypatch.setitem(registry.MIXERS, "MambaMixer", None)  # a recurrent layer with no mixer
     cfg = MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=64, state_size=4)
     MambaForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"MambaForCausalLM does not route attention"):
+    with pytest.raises(
+        ValueError, match=r"MambaForCausalLM has recurrent layers no mixer .*MambaMixer"
+    ):
         LLM(str(tmp_path))
 
 

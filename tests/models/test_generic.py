@@ -170,23 +170,26 @@ def test_fusions_keep_tokens(model_type):
 
 
 def test_flattening_check_catches_token_mixing_layers(monkeypatch):
-    """An LFM2 with a convolution layer, its layer type let through the static check: the
-    profile pass still refuses it, because flattened sequences do not stay independent."""
+    """An LFM2 with convolution layers, their layer type let through the static check and
+    their class unknown to the recurrent registry (no mixer runs them): the profile pass still
+    refuses it, because flattened sequences do not stay independent."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from hf_paged.attention import get_backend
     from hf_paged.layers.context import ModelContext
     from hf_paged.models.generic import support
     from hf_paged.models.generic.support import UnsupportedModelError
+    from hf_paged.models.recurrent import registry
     from hf_paged.models.registry import build_model
     from hf_paged.testing import shrink_config
 
-    config = shrink_config(CONFIG_MAPPING["lfm2"]())
-    config.layer_types = ["conv", "full_attention"]
+    config = shrink_config(CONFIG_MAPPING["lfm2"]())  # conv, full_attention, conv, conv
+    assert "conv" in config.layer_types
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()
     assert support.static_reason(config) is not None  # refused up front by its layer type
     monkeypatch.setattr(support, "_ATTENTION_LAYER_TYPES", {"full_attention", "conv"})
+    monkeypatch.delitem(registry.MIXERS, "Lfm2ShortConv")
     model = build_model(config, ModelContext(get_backend("torch")), torch.float32, "cpu")
     with pytest.raises(UnsupportedModelError, match="do not stay independent"):
         model.load_weights(hf)

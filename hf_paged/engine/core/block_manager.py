@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as SequenceLike
 
 from hf_paged.engine.core.sequence import Sequence
+from hf_paged.engine.core.state_slots import StateSlots
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash or None, the block's tokens)
 
@@ -50,7 +51,13 @@ class BlockManager:
         num_copied_blocks: copy-on-write copies recorded since construction.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r} is not allowed: must be >= 1")
         if block_size < 1:
@@ -66,6 +73,11 @@ class BlockManager:
         self._block_key: list[BlockKey | None] = [None] * num_blocks  # for the collision check
         self._copies: dict[int, int] = {}  # dst block -> src block, recorded since take_copies
         self.num_copied_blocks = 0
+        # recurrent models: a state slot per sequence holding blocks (``state_slots.py``)
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching is not allowed with recurrent state slots")
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self._state_copies: list[tuple[int, int]] = []  # (src slot, dst slot) of forks
         self.reset_stats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -135,12 +147,20 @@ class BlockManager:
         written into that another sequence also holds is replaced by a new one (copy on
         write: the copy is recorded for ``take_copies``).
 
+        With state slots (a recurrent model), a sequence without one gets one too, or the call
+        fails.
+
         Returns:
-            True on success; False, with nothing changed, when not enough blocks can be had.
+            True on success; False, with nothing changed, when not enough blocks (or no state
+            slot) can be had.
 
         Raises:
             ValueError: ``computed_blocks`` given for a sequence that already has blocks.
         """
+        slots = self.state_slots
+        needs_slot = slots is not None and seq.state_slot == 0
+        if needs_slot and slots.num_free == 0:
+            return False
         if computed_blocks and seq.block_table:
             raise ValueError(
                 f"computed_blocks={list(computed_blocks)} given for {seq!r}, which has blocks"
@@ -160,6 +180,8 @@ class BlockManager:
         num_revived = sum(1 for b in set(computed_blocks) if self.ref_counts[b] == 0)
         if num_needed + len(shared) > self.num_free_blocks - num_revived:
             return False
+        if needs_slot:
+            seq.state_slot = slots.alloc()
         for i in shared:
             src, dst = table[i], self._take_block()
             self.ref_counts[src] -= 1  # stays >= 1: another sequence holds it
@@ -213,6 +235,9 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+        if self.state_slots is not None and seq.state_slot:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = 0
 
     def rollback(self, seq: Sequence, num_tokens: int) -> int:
         """Keep the KV of ``seq``'s first ``num_tokens`` tokens only (rejected speculative
@@ -232,6 +257,8 @@ class BlockManager:
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} is not allowed: must be >= 0")
+        if self.state_slots is not None and num_tokens < seq.num_computed_tokens:
+            num_tokens = 0  # a recurrent state cannot be rolled back: recompute it all
         bs = self.block_size
         keep = min(-(-num_tokens // bs), len(seq.block_table))
         num_tokens = min(num_tokens, keep * bs)
@@ -252,11 +279,18 @@ class BlockManager:
         The blocks stay shared until one of the two writes into one (``allocate_slots`` copies
         it then). ``dst`` is typically ``src.fork()``.
 
+        With state slots, ``dst`` gets a slot of its own and the copy of ``src``'s state is
+        recorded for ``take_state_copies``.
+
         Raises:
             ValueError: ``dst`` already has blocks.
+            RuntimeError: no state slot is free for ``dst``.
         """
         if dst.block_table:
             raise ValueError(f"fork into {dst!r} is not allowed: it already has blocks")
+        if self.state_slots is not None and src.state_slot:
+            dst.state_slot = self.state_slots.alloc()
+            self._state_copies.append((src.state_slot, dst.state_slot))
         for block_id in src.block_table:
             self.ref_counts[block_id] += 1
         dst.block_table = list(src.block_table)
@@ -268,6 +302,12 @@ class BlockManager:
         is written (a source block freed and handed out again in the same step still gives its
         old contents)."""
         copies, self._copies = [(s, d) for d, s in self._copies.items()], {}
+        return copies
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The ``(src_slot, dst_slot)`` state copies of forks since the last call; applied as
+        ``take_copies``' blocks (every source read before any destination is written)."""
+        copies, self._state_copies = self._state_copies, []
         return copies
 
     def reset_prefix_cache(self) -> int:

@@ -23,6 +23,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
     # copy-on-write of forked blocks: (src_block, dst_block), applied before the forward
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # forks' recurrent states: (src_slot, dst_slot), applied before the forward
+    states_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -41,13 +43,14 @@ class SchedulerOutput:
             tokens = seq.token_ids[start : start + n]
             if spec and sample:
                 tokens += spec
-            chunk = ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample)
+            chunk = ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample,
+                                   state_slot=seq.state_slot)  # fmt: skip
             if spec and sample:
                 chunk.num_logits = 1 + len(spec)
             chunks.append(chunk)
             if sample:
                 sampled.append(seq)
-        return ModelInput(chunks, self.blocks_to_copy), sampled
+        return ModelInput(chunks, self.blocks_to_copy, self.states_to_copy), sampled
 
 
 @dataclass
@@ -76,6 +79,9 @@ class ScheduledChunk:
     # with ``sample``: logits rows at the chunk's last ``num_logits`` positions (1 + the
     # speculative tokens it verifies; each row scores the token after its position)
     num_logits: int = 1
+    # recurrent models: the sequence's state-pool slot (0: none, or the dummy); its state
+    # holds the tokens before ``start_pos`` when ``start_pos > 0``
+    state_slot: int = 0
 
 
 @dataclass
@@ -85,6 +91,8 @@ class ModelInput:
     chunks: list[ScheduledChunk]
     # (src_block, dst_block): copy these blocks' K/V in every layer before the forward
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (src_slot, dst_slot): copy these recurrent states before the forward (forks)
+    states_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:

@@ -127,6 +127,7 @@ class Scheduler:
         # a copy is recorded only for a sequence this step runs (allocation succeeded, and a
         # scheduled sequence is never a later victim), so an empty step drops none that matter
         out.blocks_to_copy = bm.take_copies()
+        out.states_to_copy = bm.take_state_copies()
         return out
 
     def _with_spec_tokens(self, seq: Sequence, num_new: int, token_budget: int) -> int:

@@ -43,6 +43,7 @@ class Sequence:
         self.num_cached_tokens: int = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, once computed
+        self.state_slot: int = 0  # recurrent models: its state-pool slot while it holds blocks
         self.num_preemptions: int = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival: int = arrival if arrival is not None else self.seq_id  # FCFS order key

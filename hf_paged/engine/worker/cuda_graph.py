@@ -2,7 +2,8 @@
 max_num_seqs, plus max_num_seqs itself), all writing into shared static buffers. A decode step of
 n sequences replays the smallest graph of size >= n; rows past n are padding (slot -1).
 The runner's ``KVCache`` goes into the captured metadata, so the graphs read and write the same
-cache tensors the eager steps use (it must outlive the graphs)."""
+cache tensors the eager steps use (it must outlive the graphs); so does a recurrent model's
+state pool, with persistent state-slot buffers whose padded rows point at the dummy slot 0."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class DecodeGraphRunner:
         self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.state_pool = runner.state_pool  # None without recurrent layers
+        self.state_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.has_initial_state = torch.zeros(max_bs, dtype=torch.bool, device=dev)
         self.outputs: torch.Tensor | None = None  # [max_bs, H], sized by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -43,7 +47,15 @@ class DecodeGraphRunner:
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], max_seqlen_q=1,
             max_context_len=self.runner.max_model_len, kv_cache=self.runner.kv_cache,
+            **self._state_fields(bs),
         )  # fmt: skip
+
+    def _state_fields(self, bs: int) -> dict:
+        if self.state_pool is None:
+            return {}
+        return dict(state_indices=self.state_indices[:bs],
+                    has_initial_state=self.has_initial_state[:bs],
+                    recurrent_states=self.state_pool.layers)  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -76,6 +88,10 @@ class DecodeGraphRunner:
         self.context_lens[:n] = meta.context_lens
         self.context_lens[n:bs] = 1
         self.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
+        if self.state_pool is not None:
+            self.state_indices[:n] = meta.state_indices
+            self.state_indices[n:bs] = 0  # the dummy slot
+            self.has_initial_state[:n] = meta.has_initial_state
         self.graphs[bs].replay()
         return self.outputs[:n]
 
@@ -89,4 +105,5 @@ class DecodeGraphRunner:
         self.outputs = None
         self.input_ids = self.positions = self.slot_mapping = None
         self.context_lens = self.block_tables = self.cu_seqlens_q = None
+        self.state_pool = self.state_indices = self.has_initial_state = None
         self.runner = None

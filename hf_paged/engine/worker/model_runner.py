@@ -36,6 +36,7 @@ from hf_paged.engine.worker.step_inputs import StepInputs
 from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
+from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
@@ -84,6 +85,7 @@ class ModelRunner:
         self.max_model_len = spec.max_model_len
 
         self.kv_cache: KVCache | None = None
+        self.state_pool: StatePool | None = None  # recurrent layers' states (``_build``)
         self.graph_runner = None
         self.sampler = None
         self.model = None
@@ -113,8 +115,15 @@ class ModelRunner:
         self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
         self.kv_specs: list[KVCacheSpec] = list(self.model.kv_cache_specs)
-        if not self.kv_specs:
+        state_specs = list(getattr(self.model, "state_specs", None) or [])
+        if not self.kv_specs and not state_specs:
             raise ValueError(f"{type(self.model).__name__}.kv_cache_specs is empty")
+        # recurrent layers: one state slot per sequence that can run, allocated before the
+        # warm-up so that the KV cache is sized from what is left
+        self.state_pool = None
+        if state_specs:
+            self.state_pool = StatePool(state_specs, spec.config.max_num_seqs, self.device)
+            self.inputs.state_pool = self.state_pool
         self.sampler = Sampler(self._make_generator()) if self.rank == 0 else None
 
         with timings.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
@@ -208,7 +217,11 @@ class ModelRunner:
         cfg = self.config
         block_bytes = self.kv_block_bytes()
         error = None
-        if cfg.num_kv_blocks is not None:
+        if block_bytes == 0:  # recurrent layers alone: blocks are bookkeeping, free of memory
+            num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(
+                -self.max_model_len // self.block_size
+            )
+        elif cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_bytes is not None:
             num_blocks = cfg.kv_cache_bytes // block_bytes
@@ -281,6 +294,7 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
+            self._copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
         scores = None
         with prof.section("forward_launch"):
@@ -330,6 +344,7 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)
+            self._copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
             if prev is not None and prev_rows is not None:
                 cu = meta.cu_seqlens_q_cpu
@@ -347,6 +362,26 @@ class ModelRunner:
             if sampling is None:  # prefill chunks only: nothing sampled
                 return PendingTokens(logits.new_empty(0, dtype=torch.int64), scores)
             return PendingTokens(self.sampler(logits, sampling).token_ids, scores)
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots of a recurrent model's pool (0 without recurrent layers)."""
+        return self.state_pool.num_slots if self.state_pool is not None else 0
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """Bytes one sequence's recurrent states take over all layers (0 without them)."""
+        return self.state_pool.slot_bytes if self.state_pool is not None else 0
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Forks' states, every source read before any destination is written."""
+        if not copies or self.state_pool is None:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for states in self.state_pool.layers:
+            for t in states.values():
+                t[dst] = t[src]
 
     # ---- lifecycle / IPC ----------------------------------------------------------------
 
@@ -371,6 +406,8 @@ class ModelRunner:
         if self.kv_cache is not None:
             self.kv_cache.release()
             self.kv_cache = None
+        self.state_pool = None
+        self.inputs.state_pool = None
         self.model = None
         self.sampler = None
         backend = getattr(self, "attn_backend", None)

@@ -18,6 +18,7 @@ class StepInputs:
         self.device = device
         self.block_size = block_size
         self._pinned: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # staging buffers
+        self.state_pool = None  # a recurrent model's ``StatePool``: its slots go into the steps
 
     def build(self, inp: ModelInput, kv_cache):
         """``decode`` for a decode step, else ``prefill``."""
@@ -122,4 +123,18 @@ class StepInputs:
             cu_seqlens_q_cpu=cu,
             context_lens_cpu=ctx,
             kv_cache=kv_cache,
+            **self._state_fields(chunks),
         )
+
+    def _state_fields(self, chunks) -> dict:
+        """A recurrent model's per-sequence slots and whether each holds a state already (the
+        sequence computed tokens before this chunk), in one int64 copy."""
+        if self.state_pool is None:
+            return {}
+        n = len(chunks)
+        host = np.empty(2 * n, dtype=np.int64)
+        host[:n] = [c.state_slot for c in chunks]
+        host[n:] = [c.start_pos > 0 for c in chunks]
+        dev = self.to_device(host, "state")
+        return dict(state_indices=dev[:n], has_initial_state=dev[n:] != 0,
+                    recurrent_states=self.state_pool.layers)  # fmt: skip

@@ -4,7 +4,8 @@ HF modules may sync with the host (``.item()``, ``nonzero`` in an MoE's expert l
 rope's ``max(position_ids)``): capture then fails, or a replay would silently reuse values the
 capture saw. The probe runs a two-sequence decode step eagerly on a small temporary KV cache,
 captures the same step, replays it, and compares; any error or difference turns decode graphs
-off for the model, with the reason in ``cuda_graph_reason``.
+off for the model, with the reason in ``cuda_graph_reason``. A model with recurrent layers gets
+a small state pool too, restored before the replay (the eager step updated it in place).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def _decode_step(model, block_size: int):
         max_context_len=max(pos) + 1,
         kv_cache=kv,
     )
+    if model.state_specs:
+        from hf_paged.models.recurrent.state_pool import StatePool
+
+        pool = StatePool(model.state_specs, num_slots=2, device=dev)
+        meta.state_indices = torch.tensor([pool.alloc(), pool.alloc()], device=dev)
+        meta.has_initial_state = torch.ones(2, dtype=torch.bool, device=dev)
+        meta.recurrent_states = pool.layers
     ids = torch.tensor([5, 7], dtype=torch.int64, device=dev)
     return ids, torch.tensor(pos, dtype=torch.int64, device=dev), meta
 
@@ -43,7 +51,12 @@ def _decode_step(model, block_size: int):
 def cuda_graph_problem(model, block_size: int = 16) -> str | None:
     """Why ``model`` (a loaded ``GenericForCausalLM`` on CUDA) must decode eagerly, or None."""
     ids, pos, meta = _decode_step(model, block_size)
+    states = meta.recurrent_states or []
+    before = [{k: t.clone() for k, t in layer.items()} for layer in states]
     eager = model.forward(ids, pos, meta).clone()
+    for layer, saved in zip(states, before):  # the replay starts from the same states
+        for k, t in layer.items():
+            t.copy_(saved[k])
     torch.cuda.synchronize(model.device)
     graph = torch.cuda.CUDAGraph()
     try:

@@ -25,6 +25,7 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
+from hf_paged.models.generic.recurrent import RecurrentLayers, recurrent_reason
 from hf_paged.models.generic.sinks import sink_backend
 from hf_paged.models.generic.support import (
     UnsupportedModelError,
@@ -34,6 +35,8 @@ from hf_paged.models.generic.support import (
 )
 from hf_paged.models.generic.tp import apply_tp_plan
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
+from hf_paged.models.recurrent import registry
+from hf_paged.models.recurrent.base import StateSpec
 from hf_paged.refusal import Refusal
 
 
@@ -62,6 +65,9 @@ class GenericForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"building on the meta device failed: {type(e).__name__}: {e}"
             ) from e
+        reason = recurrent_reason(self.hf_model, ctx.tp_size)
+        if reason is not None:
+            raise UnsupportedModelError(f"{type(self.hf_model).__name__} has {reason}")
         # rank's part of each sharded parameter (empty at tp 1); the collectives are installed
         self.shard_rules = apply_tp_plan(self.hf_model, ctx.comm) if ctx.tp_size > 1 else {}
         self.backbone = backbone_of(self.hf_model)
@@ -70,6 +76,10 @@ class GenericForCausalLM(nn.Module):
         self._head_output_cls = None  # the backbone's output class, seen in the profile pass
         self._install_head_switch()
         self.kv_cache_specs: list[KVCacheSpec] | None = None  # set by the profile pass
+        # recurrent layers (``recurrent.py``), set after loading: their mixers, and per mixer the
+        # states one sequence needs (the runner's state pool); empty without such layers
+        self.recurrent: RecurrentLayers | None = None
+        self.state_specs: list[list[StateSpec]] = []
         self.layer_specs: list = []
         self.supports_cuda_graph = True
         self.cuda_graph_reason: str | None = None
@@ -120,6 +130,9 @@ class GenericForCausalLM(nn.Module):
                     f"the CUDA fusions failed on this model: {type(e).__name__}: {e}"
                 ) from e
         self._type_buffers = _token_type_buffers(self.hf_model)
+        if registry.recurrent_modules(self.hf_model):  # after the fusions: they swap modules
+            self.recurrent = RecurrentLayers(self.hf_model)
+            self.state_specs = self.recurrent.state_specs()
         self._profile()
         if self.device.type == "cuda" and self.supports_cuda_graph:
             from hf_paged.models.generic.graph_probe import cuda_graph_problem
@@ -134,7 +147,13 @@ class GenericForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         with self.state.active(meta=meta):
-            return self._backbone(input_ids, positions)
+            if self.recurrent is None:
+                return self._backbone(input_ids, positions)
+            self.recurrent.begin(meta)
+            try:
+                return self._backbone(input_ids, positions)
+            finally:
+                self.recurrent.end()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] through the HF model's own head code (on rank 0; None on

@@ -145,9 +145,10 @@ class Recorder:
         out = torch.matmul(probs, v).transpose(0, 1).unsqueeze(0)
         return out.to(query.dtype).contiguous()
 
-    def result(self) -> list[LayerRecord]:
-        """The records in call order. Raises UnsupportedModelError with every reason found."""
-        if not self.records:
+    def result(self, recurrent: bool = False) -> list[LayerRecord]:
+        """The records in call order (none only for a model of ``recurrent`` layers alone).
+        Raises UnsupportedModelError with every reason found."""
+        if not self.records and not recurrent:
             self.reasons.append(
                 "no attention call reached hf_paged's attention function (the model does not "
                 "route attention through transformers' AttentionInterface)"
@@ -196,7 +197,7 @@ def profile_pass(model) -> list[LayerRecord]:
     recorder = Recorder(names, torch.cat(pos), torch.cat(seg))
     try:
         flat = backbone(slice(None), recorder)
-        records = recorder.result()
+        records = recorder.result(recurrent=model.recurrent is not None)
         alone = [backbone(slice(i, i + 1)) for i in range(len(seqs))]
         with model.state.active(recorder=Recorder(names, pos[0], seg[0])):
             full = model.hf_model(

@@ -67,7 +67,15 @@ def _static_why(hf_config) -> str | None:
     name = cls.__name__
     if getattr(hf_config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder"
-    if not _uses_attention_interface(cls):
+    recurrent = _recurrent_classes(cls)
+    missing = _unserved(recurrent)
+    if missing:
+        return (
+            f"{name} has recurrent layers no mixer serves yet (hybrid/recurrent): "
+            f"{', '.join(missing)}"
+        )
+    # a model of recurrent layers alone has no attention at all (Mamba): the profile pass checks
+    if not recurrent and not _uses_attention_interface(cls):
         return f"{name} does not route attention through transformers' AttentionInterface"
     from hf_paged.layers.quantization import unserved_quantization
 
@@ -86,7 +94,7 @@ def _static_why(hf_config) -> str | None:
     types = getattr(text, "layer_types", None) or []
     runs = _ATTENTION_LAYER_TYPES | ({"chunked_attention"} if _chunk_size(text) else set())
     other = sorted({t for t in types if isinstance(t, str)} - runs)
-    if other:
+    if other and not recurrent:  # with mixers: the profile pass finds what nothing runs
         return f"{name} has layers the paged attention cannot run: layer_types {other}"
     return None
 
@@ -108,6 +116,21 @@ def _uses_attention_interface(cls) -> bool:
     except (OSError, TypeError, KeyError):
         return True  # cannot tell: the profile pass decides
     return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _recurrent_classes(cls) -> set[str]:
+    """Names of the recurrent layer classes (``models/recurrent/registry.py``) that ``cls``'s
+    modeling module defines."""
+    from hf_paged.models.recurrent.registry import MIXERS
+
+    module = sys.modules.get(cls.__module__)
+    return {n for n in MIXERS if module is not None and hasattr(module, n)}
+
+
+def _unserved(names: set[str]) -> list[str]:
+    from hf_paged.models.recurrent.registry import unserved
+
+    return unserved(names)
 
 
 def _adapted(cls) -> bool:

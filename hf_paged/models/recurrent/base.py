@@ -2,7 +2,8 @@
 
 A mixer replaces one HF recurrent layer (its module's own parameters, shared, not copied) and
 runs it on the engine's flattened step: ``hidden [T, D]`` holds the step's sequences one after
-another, prefill chunks first, then single-token decodes, with no padding. Each sequence owns a
+another in the scheduler's order (prefill chunks and single-token decodes interleaved: running
+sequences first, then newly admitted ones), with no padding. Each sequence owns a
 slot of the state pool; the mixer reads the slot's states when ``has_initial_state`` (the
 sequence has computed tokens before this chunk) and writes the states after the chunk's last
 token back into the same slot, in place. Slot 0 is a dummy that padded rows of a CUDA graph
@@ -37,7 +38,7 @@ class RecurrentMeta:
     cu_seqlens: torch.Tensor  # [N + 1] int32, on the device: sequence i is rows cu[i]:cu[i+1]
     state_indices: torch.Tensor  # [N] int64: sequence i's slot in the pool (never 0)
     has_initial_state: torch.Tensor  # [N] bool: the slot holds the state before this chunk
-    num_prefills: int  # sequences 0..num_prefills-1 are prefill chunks; the rest are decodes
+    num_prefills: int  # sequences of more than one token (0: a decode-only step, CUDA-graph safe)
     seq_lens: list[int]  # [N] host copy of the chunk lengths (no device sync to read them)
 
 
@@ -54,3 +55,9 @@ class RecurrentMixer(nn.Module):
         """``hidden [T, D]`` -> ``[T, D]``; ``states[name]`` is ``[num_slots + 1, *spec.shape]``
         and is read and updated in place at ``meta.state_indices``."""
         raise NotImplementedError
+
+    def hf_result(self, out: torch.Tensor):
+        """What the wrapped HF module's forward returns, given the mixer's output ``out
+        [1, T, D]``: ``out`` itself unless overridden (MiniMax's lightning attention returns
+        ``(out, None)``, as its HF module does)."""
+        return out
