@@ -78,8 +78,8 @@ def test_unserved_recurrent_family_is_refused_by_name(monkeypatch):
 
     monkeypatch.setitem(registry.MIXERS, "Qwen3_5GatedDeltaNet", None)  # as if no mixer
     config, hf = build_tiny("qwen3_5_text")
-    assert "hybrid/recurrent" in static_reason(config)
-    assert "Qwen3_5GatedDeltaNet" in static_reason(config)
+    assert "hybrid/recurrent" in static_reason(config).detail
+    assert "Qwen3_5GatedDeltaNet" in static_reason(config).detail
     ctx = ModelContext(get_backend("torch"), kv_block_size=BS, max_model_len=64)
     with pytest.raises(UnsupportedModelError, match="Qwen3_5GatedDeltaNet"):
         build_model(config, ctx, torch.float32, "cpu", "generic")
