@@ -11,8 +11,6 @@ import torch
 from transformers import (
     DynamicCache,
     LogitsProcessor,
-    MambaConfig,
-    MambaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -195,11 +193,11 @@ def _t5():
     return T5ForConditionalGeneration(cfg).eval()
 
 
-def _mamba():
-    # no attention at all (a recurrent state per layer): neither path serves it
-    torch.manual_seed(0)
-    cfg = MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, state_size=4)
-    return MambaForCausalLM(cfg).eval()
+def _unserved_architecture():
+    # AXK2's indexed (sparse) attention layers: neither model path serves them
+    from hf_paged.testing import build_tiny
+
+    return build_tiny("axk2")[1].eval()
 
 
 def _fp16_llama():
@@ -212,7 +210,7 @@ def _training_llama():
 
 MODEL_CASES = {
     "encoder_decoder": _t5,
-    "architecture": _mamba,
+    "architecture": _unserved_architecture,
     "dtype": _fp16_llama,
     "training_mode": _training_llama,
 }
