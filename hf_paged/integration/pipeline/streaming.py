@@ -34,7 +34,7 @@ from transformers.pipelines.text_generation import TextGenerationPipeline
 from hf_paged.integration import paged_call
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.pipeline.capture import capture_generate_kwargs
-from hf_paged.integration.pipeline.routes import NOT_FORWARDED, route, route_key
+from hf_paged.integration.pipeline.engines import NOT_FORWARDED, batch_engine, engine_key
 
 
 class StreamingTextGenerationMixin:
@@ -166,7 +166,7 @@ class BatchStream:
                 raise item.error
             if item.inputs is None:
                 return
-            way = None if item.stock else route(self._pipe.model, item.kwargs)
+            way = None if item.stock else batch_engine(self._pipe.model, item.kwargs)
             with contextlib.ExitStack() as held:
                 try:
                     engine = None if way is None else held.enter_context(way.hold())
@@ -228,7 +228,7 @@ class BatchStream:
                 if (
                     item.inputs is None
                     or item.error is not None
-                    or way.key != route_key(self._pipe.model, item.kwargs)
+                    or way.key != engine_key(self._pipe.model, item.kwargs)
                 ):
                     self._next = item  # handled after this run's requests are done
                     return

@@ -25,7 +25,7 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
-from hf_paged.models.generic.recurrent import RecurrentLayers, recurrent_reason
+from hf_paged.models.generic.recurrent import RecurrentLayers, recurrent_refusal
 from hf_paged.models.generic.sinks import sink_backend
 from hf_paged.models.generic.support import (
     UnsupportedModelError,
@@ -65,9 +65,9 @@ class GenericForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"building on the meta device failed: {type(e).__name__}: {e}"
             ) from e
-        reason = recurrent_reason(self.hf_model, ctx.tp_size)
-        if reason is not None:
-            raise UnsupportedModelError(f"{type(self.hf_model).__name__} has {reason}")
+        refusal = recurrent_refusal(self.hf_model, ctx.tp_size)
+        if refusal is not None:
+            raise UnsupportedModelError(refusal.detail)
         # rank's part of each sharded parameter (empty at tp 1); the collectives are installed
         self.shard_rules = apply_tp_plan(self.hf_model, ctx.comm) if ctx.tp_size > 1 else {}
         self.backbone = backbone_of(self.hf_model)

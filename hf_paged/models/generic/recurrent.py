@@ -22,22 +22,24 @@ from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.recurrent import registry
 from hf_paged.models.recurrent.base import RecurrentMeta, RecurrentMixer, StateSpec
 from hf_paged.models.recurrent.state_pool import StatePool
+from hf_paged.refusal import Refusal
 
 
-def recurrent_reason(model: nn.Module, tp_size: int) -> str | None:
+def recurrent_refusal(model: nn.Module, tp_size: int) -> Refusal | None:
     """Why the engine cannot serve ``model``'s recurrent layers, or None (also None when it
     has none)."""
     found = registry.recurrent_modules(model)
     if not found:
         return None
+    name = type(model).__name__
     missing = registry.unserved({type(m).__name__ for _, m in found})
     if missing:
-        return f"recurrent layers no mixer serves yet (hybrid/recurrent): {', '.join(missing)}"
+        return Refusal("architecture", f"{name} has recurrent layers no mixer serves yet "
+                       f"(hybrid/recurrent): {', '.join(missing)}")  # fmt: skip
     if tp_size > 1:
-        return (
-            f"tensor_parallel_size={tp_size}: recurrent layers ({type(found[0][1]).__name__}) "
-            "are not sharded; allowed: 1"
-        )
+        return Refusal("tensor_parallel", f"{name}: tensor_parallel_size={tp_size} is not "
+                       f"allowed: recurrent layers ({type(found[0][1]).__name__}) are not "
+                       "sharded; allowed: 1")  # fmt: skip
     return None
 
 

@@ -86,11 +86,11 @@ def test_unserved_recurrent_family_is_refused_by_name(monkeypatch):
 
 
 def test_tensor_parallel_is_refused_by_name():
-    from hf_paged.models.generic.recurrent import recurrent_reason
+    from hf_paged.models.generic.recurrent import recurrent_refusal
 
     _, hf = build_tiny("qwen3_5_text")
-    assert recurrent_reason(hf, 1) is None
-    assert "tensor_parallel_size=2" in recurrent_reason(hf, 2)
+    assert recurrent_refusal(hf, 1) is None
+    assert "tensor_parallel_size=2" in recurrent_refusal(hf, 2).detail
 
 
 def test_beam_search_falls_back_by_name():

@@ -1,5 +1,6 @@
 """Which engine a pipeline batch runs on: the HF model's (through the dispatcher) or a
-``PagedModelForCausalLM``'s; batches with the same route share one engine run."""
+``PagedModelForCausalLM``'s; batches with the same key share one engine run. (The way a call
+runs on that engine, native, external or beams, is ``integration/route.py``'s.)"""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ NOT_FORWARDED = ("backend", "paged_config", *dispatch.NOT_FORWARDED)
 
 
 @dataclass(frozen=True)
-class Route:
+class BatchEngine:
     key: tuple  # batches with the same key share one engine run
     prep_model: object  # what stock's preparation runs on
     hold: Callable  # () -> context manager yielding the engine
     precheck: Callable  # generate kwargs -> PagedFallback or None
 
 
-def route_key(model, kwargs: dict) -> tuple | None:
-    """The route's key for a batch with these ``generate`` keywords; None: it runs per batch."""
+def engine_key(model, kwargs: dict) -> tuple | None:
+    """The key for a batch with these ``generate`` keywords; None: it runs per batch."""
     from hf_paged.integration.auto import PagedModelForCausalLM
 
     backend, paged_config = kwargs.get("backend"), kwargs.get("paged_config")
@@ -39,21 +40,21 @@ def route_key(model, kwargs: dict) -> tuple | None:
     return ("hf", paged_config)
 
 
-def route(model, kwargs: dict) -> Route | None:
+def batch_engine(model, kwargs: dict) -> BatchEngine | None:
     """How a batch with these ``generate`` keywords reaches the engine; None: it doesn't."""
     from hf_paged.integration.auto import PagedModelForCausalLM
 
-    key = route_key(model, kwargs)
+    key = engine_key(model, kwargs)
     if key is None:
         return None
     if isinstance(model, PagedModelForCausalLM):
         skeleton = model.skeleton  # on the meta device by design: argument checks only
-        return Route(key, skeleton, model.hold_engine,
+        return BatchEngine(key, skeleton, model.hold_engine,
                      lambda kw: servable.precheck(skeleton, kw, kw, model_checks=False))  # fmt: skip
-    # the model's own checks walk its parameters: once per route (one pipeline call), not per
+    # the model's own checks walk its parameters: once per engine (one pipeline call), not per
     # batch (at batch_size 1 they were a third of a 64-prompt call's time on the H200)
     model_refusal = functools.cache(lambda: servable.model_refusal(model))
-    return Route(
+    return BatchEngine(
         key, model, lambda: dispatch.hold_engine(model, key[1]),
         lambda kw: servable.precheck(model, kw, kw, model_checks=False) or model_refusal(),
     )  # fmt: skip
