@@ -18,15 +18,13 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import run_stock  # noqa: E402
-from workloads import (  # noqa: E402
+from hf_paged.benchmarks.runners import run_stock  # noqa: E402
+from hf_paged.benchmarks.workloads import (  # noqa: E402
     environment,
     free_memory,
     get_workload,
