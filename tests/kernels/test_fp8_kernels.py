@@ -161,15 +161,16 @@ def test_layer_dispatch_against_w8a8_reference(path, block):
     assert _rel(out, w8a8_linear_ref(x, w, s, block)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 4])  # 1: cuBLASLt's operands padded to 4 rows in the graph
 @pytest.mark.parametrize("path", ["cublaslt", "triton", "gemv"])
-def test_every_block_path_replays_in_a_cuda_graph(path):
+def test_every_block_path_replays_in_a_cuda_graph(path, m):
     from hf_paged.kernels.fp8 import fp8_scaled_mm
     from hf_paged.layers.quantization.fp8_linear import fp8_linear
 
     if path == "cublaslt" and not fp8_scaled_mm.available():
         pytest.skip("no block-wise F.scaled_mm on this torch")
     w, s = _weights(6144, 4096, (128, 128))
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     with _forced(path):
         eager = fp8_linear(x, w, s, (128, 128))
         graph = torch.cuda.CUDAGraph()
