@@ -194,5 +194,47 @@ def test_block_gemm_rejects_what_it_cannot_take():
     assert problem(x, torch.ones(2, 2), w, torch.ones(1, 2), (32, 32)) is None
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8])
+def test_cublaslt_operands_padded_to_four_rows(monkeypatch, m):
+    """``block_scaled_mm`` hands cuBLASLt a multiple of 4 rows (it refuses M = 1 on the H200:
+    CUBLAS_STATUS_NOT_SUPPORTED) with column-major scales, and returns the M rows of the
+    reference. ``F.scaled_mm`` is replaced by the torch reference, which also checks the
+    operands as cuBLASLt receives them."""
+    import torch
+
+    from hf_paged.kernels.fp8 import fp8_scaled_mm
+    from hf_paged.kernels.fp8.fp8_gemm import w8a8_matmul_ref
+    from hf_paged.kernels.fp8.fp8_quant import empty_scales, per_token_group_quant_ref
+
+    if not fp8_scaled_mm.available():
+        pytest.skip("no block-wise F.scaled_mm in this torch")
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=g)
+    x_q, s = per_token_group_quant_ref(x, 128)
+    x_s = empty_scales(m, 4, True, "cpu").copy_(s)  # [M, 4] strides (1, M)
+    w = (torch.randn(256, 512, generator=g) * 0.05).to(torch.float8_e4m3fn)
+    w_s = torch.rand(2, 4, generator=g) * 0.01 + 0.001
+    bias = torch.randn(256, generator=g).to(torch.bfloat16)
+    seen = []
+
+    def fake_scaled_mm(a, b_t, a_s, a_recipe, b_s_t, b_recipe, output_dtype):
+        mp = a.shape[0]
+        seen.append(mp)
+        assert mp % fp8_scaled_mm.ROW_MULTIPLE == 0 and a_s.shape == (mp, 4)
+        assert a_s.stride() == (1, mp) and a.is_contiguous()
+        return w8a8_matmul_ref(a, a_s, b_t.t(), b_s_t.t(), (128, 128), output_dtype)
+
+    monkeypatch.setattr(fp8_scaled_mm, "_SCALED_MM", fake_scaled_mm)
+    out = fp8_scaled_mm.block_scaled_mm(x_q, x_s, w, w_s, torch.bfloat16, bias)
+    ref = w8a8_matmul_ref(x_q, x_s, w, w_s, (128, 128), torch.bfloat16, bias)
+    assert seen == [-(-m // 4) * 4] and out.shape == (m, 256)
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-3)  # bias added in bf16
+    q_p, s_p = fp8_scaled_mm.pad_rows(x_q, x_s)
+    assert q_p[m:].float().eq(0).all() and s_p[m:].eq(1).all()  # padded rows: exact zeros
+    assert torch.equal(q_p[:m].float(), x_q.float()) and torch.equal(s_p[:m], x_s)
+    if m == 1:  # a [1, G] row-major row is as good as column-major
+        assert torch.equal(fp8_scaled_mm.pad_rows(x_q, s)[1], s_p)
+
+
 if __name__ == "__main__":
     interpret_main(_cases())

@@ -161,15 +161,16 @@ def test_layer_dispatch_against_w8a8_reference(path, block):
     assert _rel(out, w8a8_linear_ref(x, w, s, block)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 4])  # 1: cuBLASLt's operands padded to 4 rows in the graph
 @pytest.mark.parametrize("path", ["cublaslt", "triton", "gemv"])
-def test_every_block_path_replays_in_a_cuda_graph(path):
+def test_every_block_path_replays_in_a_cuda_graph(path, m):
     from hf_paged.kernels.fp8 import fp8_scaled_mm
     from hf_paged.layers.quantization.fp8_linear import fp8_linear
 
     if path == "cublaslt" and not fp8_scaled_mm.available():
         pytest.skip("no block-wise F.scaled_mm on this torch")
     w, s = _weights(6144, 4096, (128, 128))
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     with _forced(path):
         eager = fp8_linear(x, w, s, (128, 128))
         graph = torch.cuda.CUDAGraph()
@@ -182,44 +183,137 @@ def test_every_block_path_replays_in_a_cuda_graph(path):
         assert torch.equal(out, fp8_linear(x, w, s, (128, 128))) and not torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("path", ["auto", "cublaslt", "triton", "gemv"])
-def test_engine_on_a_tiny_fp8_checkpoint(tmp_path, path):
-    """A 2-layer FP8 Llama (hidden 512, intermediate 1024: shapes cuBLASLt takes) on CUDA, every
-    GEMM path (with the fused norm / activation -> FP8 producers), against transformers'
-    dequantized model with activations fake-quantized per token group of 128
-    (``fake_quant_activations``: W8A8 against W8A8): the top-20 next-token logprobs agree
-    (centred cosine > 0.999) and the greedy token is the reference's (up to bf16 ties) over 8
-    prompts. (Against the W8A16 model, activation quantization alone gave a centred cosine of
-    0.982 on one prompt on the H200.)"""
+# The engine tests: next-token logprobs of the whole vocabulary over PROMPTS, compared as
+# logits (centred: logprobs are the logits less one constant) by cosine per prompt.
+PROMPTS = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
+# (each prompt, mean) against the same engine with HF_PAGED_FP8_GEMM=w8a8_ref (every FP8 linear
+# the fp32 torch reference, same attention and norms): the paths differ from it by fp32
+# summation order only, yet a 1e-6 relative change before a bf16 rounding flips some FP8
+# buckets downstream; emulated on CPU that gave 0.9982-0.9996 (each) and >= 0.9987 (mean), a
+# composition bug (scales transposed, wrong group, residual dropped) 0.27-0.95.
+SAME_ENGINE = (0.995, 0.998)
+# (each, mean) against transformers' dequantized model with fake-quantized activations: its
+# bf16 roundings before every quantizer differ from ours, so this is the noise floor of two
+# W8A8 computations: its own fp32 and bf16 forwards agree to 0.9953 (each) / 0.9967 (mean) on
+# this model, the CPU emulation of our paths to 0.9966 / 0.9977, the bugs above 0.27-0.94.
+TRANSFORMERS = (0.98, 0.99)
+NEAR_TIE = 0.25  # nats: the greedy token is the reference engine's, or this close to it
+
+
+def _tiny_llama(path) -> str:
+    """A 2-layer Llama (hidden 512, intermediate 1024: shapes cuBLASLt takes) with its decoder
+    linears at std 0.15 * sqrt(64 / 512), the per-layer gain of the hidden-64 tiny models
+    (``hf_paged.testing.randomize_`` draws std 0.15). At std 0.15 itself each 512-wide layer
+    amplifies by ~3.4, attention is one-hot and the model chaotic: transformers' own W8A8
+    forward in fp32 and in bf16 agree to a logit cosine of 0.965 only."""
+    from hf_paged.testing import build_hf_model
+
+    model = build_hf_model("llama", hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.mul_((64 / 512) ** 0.5)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _hf_logprobs(ref) -> list[torch.Tensor]:  # per prompt [V], on CPU
+    device = next(ref.parameters()).device
+    with torch.no_grad():
+        return [torch.log_softmax(ref(torch.tensor([p], device=device)).logits[0, -1].float(),
+                                  -1).cpu() for p in PROMPTS]  # fmt: skip
+
+
+def _engine_logprobs(ckpt: str, path: str, group: int) -> list[tuple[torch.Tensor, int]]:
+    """Per prompt: (next-token logprobs [V] on CPU, greedy token) of ``LLM(ckpt)`` with
+    ``HF_PAGED_FP8_GEMM=path``."""
+    from transformers import AutoConfig
+
+    from hf_paged import LLM, SamplingParams
+
+    vocab = AutoConfig.from_pretrained(ckpt).vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
+    with _forced(path), LLM(ckpt, max_model_len=128, dtype="bfloat16") as llm:
+        layer = llm.engine.executor.runner.model.model.layers[0]
+        assert layer.input_layernorm.quant_group == group  # the fused norm -> FP8 producer
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    rows = []
+    for o in outs:
+        top = o.logprobs[0][1]  # (sampled logprob, {id: logprob}): the whole vocabulary
+        lp = torch.full((vocab,), float("nan"))
+        lp[torch.tensor(list(top))] = torch.tensor(list(top.values()))
+        assert lp.isfinite().all()
+        rows.append((lp, o.token_ids[0]))
+    return rows
+
+
+def _agreement(got, want: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """Per prompt: (cosine of the centred logits, how far the greedy token's reference logprob
+    is below the reference's best, in nats)."""
+    rows = []
+    for (lp, token), ref in zip(got, want):
+        cos = torch.nn.functional.cosine_similarity(lp - lp.mean(), ref - ref.mean(), 0)
+        rows.append((round(cos.item(), 5), round((ref.max() - ref[token]).item(), 3)))
+    return rows
+
+
+def _check_engine(got, same_engine, transformers) -> None:
+    """``got`` (``_engine_logprobs``) against the engine's own W8A8 reference path and against
+    transformers' W8A8 model (``_hf_logprobs``): the thresholds above, and the greedy token the
+    reference engine's up to NEAR_TIE."""
+    ours = _agreement(got, [lp for lp, _ in same_engine])
+    theirs = _agreement(got, transformers)
+    for rows, (each, mean) in ((ours, SAME_ENGINE), (theirs, TRANSFORMERS)):
+        cos = [c for c, _ in rows]
+        assert min(cos) >= each and sum(cos) / len(cos) >= mean, (ours, theirs)
+    assert all(gap <= NEAR_TIE for _, gap in ours), ours
+
+
+@pytest.fixture(scope="module")
+def finegrained_fp8(tmp_path_factory):
+    """(checkpoint, transformers' W8A8 logprobs, the engine's W8A8-reference-path logprobs) of
+    the tiny model quantized by transformers' ``FineGrainedFP8Config`` (128 x 128 blocks)."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     from hf_paged.layers.quantization.fp8_checkpoints import load_finegrained_fp8
     from hf_paged.layers.quantization.w8a8_reference import fake_quant_activations
-    from hf_paged.testing import save_tiny_model
 
-    plain = save_tiny_model("llama", str(tmp_path / "p"), hidden_size=512, intermediate_size=1024,
-                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    load_finegrained_fp8(plain, (128, 128), dtype=torch.bfloat16).save_pretrained(tmp_path / "q")
+    root = tmp_path_factory.mktemp("fp8_engine")
+    plain = _tiny_llama(root / "p")
+    load_finegrained_fp8(plain, (128, 128), dtype=torch.bfloat16).save_pretrained(root / "q")
     ref = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "q", quantization_config=FineGrainedFP8Config(dequantize=True),
+        root / "q", quantization_config=FineGrainedFP8Config(dequantize=True),
         dtype=torch.bfloat16, device_map="cuda",
     )  # fmt: skip
     assert fake_quant_activations(ref, 128) == 7 * ref.config.num_hidden_layers  # q k v o g u d
-    _check_engine(str(tmp_path / "q"), ref, path, group=128)
+    ckpt = str(root / "q")
+    return ckpt, _hf_logprobs(ref), _engine_logprobs(ckpt, "w8a8_ref", group=128)
+
+
+@pytest.mark.parametrize("path", ["auto", "cublaslt", "triton", "gemv"])
+def test_engine_on_a_tiny_fp8_checkpoint(finegrained_fp8, path):
+    """The FP8 engine on CUDA, every GEMM path (with the fused norm / activation -> FP8
+    producers; with max_tokens=1 the logits come from the prefill, the decode paths run in the
+    CUDA-graph capture at start), against the W8A8 reference: the engine's own reference path
+    and transformers' dequantized model with activations fake-quantized per token group of 128
+    (``fake_quant_activations``). Full-vocabulary logit cosines and the greedy token (see
+    SAME_ENGINE / TRANSFORMERS for the thresholds and what they were measured against)."""
+    ckpt, transformers, same_engine = finegrained_fp8
+    _check_engine(_engine_logprobs(ckpt, path, group=128), same_engine, transformers)
 
 
 def test_engine_on_a_tiny_compressed_tensors_checkpoint(tmp_path):
     """compressed-tensors FP8-dynamic (per-channel weights, per-token activations: row-wise
-    ``torch._scaled_mm``, with RMSNorm quantizing per token in its launch) against the stock
-    model holding the dequantized weights with per-token fake-quantized inputs."""
+    ``torch._scaled_mm``, with RMSNorm quantizing per token in its launch) against the engine's
+    reference path and the stock model holding the dequantized weights with per-token
+    fake-quantized inputs."""
     from transformers import AutoModelForCausalLM
 
     from hf_paged.layers.quantization.fp8_checkpoints import save_compressed_tensors_fp8
     from hf_paged.layers.quantization.w8a8_reference import fake_quant_activations
-    from hf_paged.testing import save_tiny_model
 
-    plain = save_tiny_model("llama", str(tmp_path / "p"), hidden_size=512, intermediate_size=1024,
-                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    plain = _tiny_llama(tmp_path / "p")
     base = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).eval()
     dequantized = save_compressed_tensors_fp8(base, tmp_path / "q", "channel", dynamic=True)
     with torch.no_grad():
@@ -227,31 +321,6 @@ def test_engine_on_a_tiny_compressed_tensors_checkpoint(tmp_path):
             base.get_parameter(name).copy_(w)
     base = base.to("cuda")
     assert fake_quant_activations(base, None) == 7 * base.config.num_hidden_layers
-    _check_engine(str(tmp_path / "q"), base, "auto", group=512)
-
-
-def _check_engine(ckpt: str, ref, path: str, group: int) -> None:
-    """Top-20 next-token logprobs of the engine on ``ckpt`` against ``ref`` over 8 prompts:
-    centred cosine > 0.999, greedy token the reference's up to bf16 ties."""
-    from hf_paged import LLM, SamplingParams
-
-    prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    with _forced(path), LLM(ckpt, max_model_len=128, dtype="bfloat16") as llm:
-        layer = llm.engine.executor.runner.model.model.layers[0]
-        assert layer.input_layernorm.quant_group == group  # the fused norm -> FP8 producer
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    cosines = []
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            logits = ref(torch.tensor([p], device="cuda")).logits[0, -1].float()
-        want = torch.log_softmax(logits, -1)
-        top = o.logprobs[0][1]  # (sampled logprob, {id: logprob})
-        ids = torch.tensor(list(top), device="cuda")
-        got = torch.tensor(list(top.values()), device="cuda")
-        ref_top = want[ids]
-        cos = torch.nn.functional.cosine_similarity(got - got.mean(), ref_top - ref_top.mean(), 0)
-        # the greedy token is the reference's, or ties with it in bf16 (within 0.02 nats)
-        gap = (want.max() - want[o.token_ids[0]]).item()
-        cosines.append((len(p), round(cos.item(), 5), round(gap, 4)))
-    assert all(c > 0.999 and gap <= 0.02 for _, c, gap in cosines), cosines
+    ckpt = str(tmp_path / "q")
+    same_engine = _engine_logprobs(ckpt, "w8a8_ref", group=512)
+    _check_engine(_engine_logprobs(ckpt, "auto", group=512), same_engine, _hf_logprobs(base))

@@ -12,6 +12,12 @@
   (``[K / 128, N / 128]``, strides ``(1, K / 128)``), which torch's check wants with
   ``K / 128`` a multiple of 4.
 
+* M any: cuBLASLt refuses (``CUBLAS_STATUS_NOT_SUPPORTED`` from its heuristic; seen on the
+  H200 with torch 2.11 at M = 1, while M = 4, 16, 100, 1024 ran) unless the column-major
+  ``x_s``'s leading dimension M is a multiple of 4 (16-byte-aligned fp32 columns). So
+  :func:`pad_rows` pads M up to a multiple of ``ROW_MULTIPLE`` (zero values, scale 1.0) and the
+  output is sliced back to M rows: two small copies, shapes fixed by M alone (CUDA-graph safe).
+
 So the shapes it takes: K and N multiples of 128, K / 128 a multiple of 4, bf16 output. Where
 ``F.scaled_mm`` / ``ScalingType`` do not exist (torch before 2.10) or refuse, the Triton block
 kernel (``fp8_gemm.py``) serves. The torch reference is ``fp8_gemm.w8a8_matmul_ref``.
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = (128, 128)  # the only block the recipes describe
+ROW_MULTIPLE = 4  # rows cuBLASLt's block-wise GEMM is given are a multiple of this (pad_rows)
 _SCALING = getattr(F, "ScalingType", None)
 _SCALED_MM = getattr(F, "scaled_mm", None)
 
@@ -61,6 +68,25 @@ def _hopper(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def pad_rows(
+    x_q: torch.Tensor,  # [M, K] fp8
+    x_s: torch.Tensor,  # [M, G] fp32, column-major (any strides at M = 1)
+    multiple: int = ROW_MULTIPLE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [Mp, K] fp8, [Mp, G] strides (1, Mp)
+    """The operands padded to ``Mp = ceil(M / multiple) * multiple`` rows for cuBLASLt: padded
+    rows hold 0.0 values and scale 1.0 (finite, so they multiply to exact zeros); the scales come
+    back column-major. As given when M is already a multiple (and ``x_s`` column-major). No host
+    sync and no shape but M's: safe under CUDA-graph capture."""
+    m = x_q.shape[0]
+    pad = -m % multiple
+    if pad == 0 and x_s.stride(0) == 1:
+        return x_q, x_s
+    # F.pad has no float8 kernel; the byte 0x00 is +0.0 in float8_e4m3fn
+    q = F.pad(x_q.view(torch.uint8), (0, 0, 0, pad)).view(x_q.dtype)  # [Mp, K]
+    s = F.pad(x_s.t(), (0, pad), value=1.0).contiguous()  # [G, Mp]
+    return q.contiguous(), s.t()
+
+
 def block_scaled_mm(
     x_q: torch.Tensor,  # [M, K] fp8, row-major
     x_s: torch.Tensor,  # [M, K / 128] fp32, strides (1, M)
@@ -91,8 +117,8 @@ def block_scaled_mm(
             f"block_scaled_mm: x_s {tuple(x_s.shape)} strides {x_s.stride()} must be "
             f"[{m}, {k // 128}] column-major (per_token_group_quant(..., column_major=True))"
         )
-    if x_s.stride(0) != 1:  # M = 1: a [1, G] row is also column-major, given these strides
-        x_s = x_s.t().contiguous().t()
+    x_q, x_s = pad_rows(x_q, x_s)  # [Mp, K], [Mp, K / 128] strides (1, Mp)
     y = _SCALED_MM(x_q, weight.t(), x_s, _SCALING.BlockWise1x128, w_s.t(),
                    _SCALING.BlockWise128x128, output_dtype=out_dtype)  # fmt: skip
+    y = y[:m]  # [M, N], contiguous (leading rows)
     return y if bias is None else y + bias

@@ -18,10 +18,11 @@ The GEMM (:func:`fp8_linear`, path by :func:`gemm_path`): on CUDA with compute c
 >= 8.9, the activation is quantized per token (per group of ``bk`` with block scales, scales
 column-major; ``kernels/fp8/fp8_quant.py``), unless its producer handed it over quantized
 (``Fp8Activation``), and multiplied by the path the measured table picks for the shape and row
-count (``kernels/fp8/fp8_paths.json``): cuBLASLt block-wise (``kernels/fp8/fp8_scaled_mm.py``), the
-Triton block kernel (``kernels/fp8/fp8_gemm.py``) or the decode GEMV (``kernels/fp8/fp8_gemv.py``);
-row-wise scales (compressed-tensors) go through ``torch._scaled_mm``. Every path computes the
-W8A8 reference (``w8a8_reference.py``) up to summation order and output rounding. Elsewhere
+count (``kernels/fp8/fp8_paths.json``): cuBLASLt block-wise (``kernels/fp8/fp8_scaled_mm.py``,
+any row count: it pads the rows to a multiple of 4 inside), the Triton block kernel
+(``kernels/fp8/fp8_gemm.py``) or the decode GEMV (``kernels/fp8/fp8_gemv.py``); row-wise scales
+(compressed-tensors) go through ``torch._scaled_mm``. Every path computes the W8A8 reference
+(``w8a8_reference.py``) up to summation order and output rounding. Elsewhere
 "dequant": the weight dequantized for the call, then the model-dtype GEMM, which is what
 transformers runs on such devices (it dequantizes the checkpoint at load).
 """
@@ -185,7 +186,10 @@ def _gpu_fp8(device: torch.device) -> bool:
 
 
 def _block_path_ok(path: str, m: int, n: int, k: int, device, dtype, block) -> bool:
-    """Whether block-scale path ``path`` takes these shapes on this device."""
+    """Whether block-scale path ``path`` takes these shapes on this device. cuBLASLt takes
+    every row count ``m``: it needs M a multiple of 4 (the column-major activation scales'
+    leading dimension), and ``fp8_scaled_mm.block_scaled_mm`` pads the rows up to that and
+    slices the output back (``fp8_scaled_mm.pad_rows``); the weight shape is what it refuses."""
     if path == "cublaslt":
         return (
             fp8_scaled_mm.available()
