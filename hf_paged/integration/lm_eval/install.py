@@ -1,6 +1,6 @@
 """lm-eval's HFLM on the paged engine: every request of a call in one engine run.
 
-``install_lm_eval()`` (``hf-paged run`` calls it) replaces three methods of
+``install_lm_eval()`` (``hf-paged run`` calls it) replaces four methods of
 ``lm_eval.models.huggingface.HFLM`` once that module is imported, and registers the model name
 ``hf-paged`` (an HFLM subclass that is always paged); ``uninstall_lm_eval()`` puts the original
 function objects back. A patched method runs paged when the process is switched to the paged
@@ -13,9 +13,13 @@ model is ``hf-paged``; otherwise it is stock's. What it serves:
   ``max_gen_toks``; the text is trimmed as stock trims it. Sampling parameters come from HF's own
   preparation of the same ``generate`` call (``paged_call.plan_generate``), so the model's
   generation config counts as in stock (``generate_until.py``).
-* ``_loglikelihood_tokens`` (``loglikelihood`` tokenizes as stock, then calls it) and
-  ``loglikelihood_rolling`` (stock's windows): prompt logprobs of the continuation tokens, all
-  requests in one run, contexts shared through the prefix cache (``loglikelihood.py``).
+* ``loglikelihood``: stock's tokenization (``TemplateLM.loglikelihood``), each distinct string
+  encoded once by the tokenizer's batch call (``tokenize.py``), then ``_loglikelihood_tokens``;
+  stock's own method when the HFLM is not paged, is seq2seq, or a subclass overrides how it
+  tokenizes.
+* ``_loglikelihood_tokens`` and ``loglikelihood_rolling`` (stock's windows): prompt logprobs of
+  the continuation tokens, all requests in one run, contexts shared through the prefix cache
+  (``loglikelihood.py``).
 
 Anything else runs stock, with a ``PagedFallbackWarning`` naming the reason: seq2seq models,
 several lm-eval ranks, autocast (``mixed_precision_dtype``), a model the engine does not serve,
@@ -38,8 +42,11 @@ from hf_paged.integration import hooks
 
 HFLM_MODULE = "lm_eval.models.huggingface"
 MODEL_NAME = "hf-paged"
-_PATCHED = ("generate_until", "_loglikelihood_tokens", "loglikelihood_rolling")
+_PATCHED = ("generate_until", "loglikelihood", "_loglikelihood_tokens", "loglikelihood_rolling")
+# name -> the function stock runs (HFLM's own, or the one it inherits)
 _originals: dict[str, object] = {}
+# names HFLM inherits rather than defines: uninstall deletes them from HFLM again
+_inherited: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -69,8 +76,12 @@ def uninstall_lm_eval() -> None:
     with _lock:
         if module is not None:
             for name, fn in _originals.items():
-                setattr(module.HFLM, name, fn)
+                if name in _inherited:
+                    delattr(module.HFLM, name)
+                else:
+                    setattr(module.HFLM, name, fn)
         _originals.clear()
+        _inherited.clear()
 
 
 def is_lm_eval_installed() -> bool:
@@ -82,8 +93,11 @@ def _patch(hflm_cls) -> None:
         if _originals:
             return
         for name in _PATCHED:
-            _originals[name] = hflm_cls.__dict__[name]
+            if name not in hflm_cls.__dict__:
+                _inherited.add(name)
+            _originals[name] = getattr(hflm_cls, name)
         hflm_cls.generate_until = _generate_until
+        hflm_cls.loglikelihood = _loglikelihood
         hflm_cls._loglikelihood_tokens = _loglikelihood_tokens
         hflm_cls.loglikelihood_rolling = _loglikelihood_rolling
 
@@ -119,6 +133,22 @@ def _stock(original, self, requests, **kwargs):
     if owners is not None and model is not None:
         owners.give_back_for_stock(model)
     return original(self, requests, **kwargs)
+
+
+def _loglikelihood(self, requests, disable_tqdm: bool = False):
+    """HFLM.loglikelihood: stock's requests for ``_loglikelihood_tokens``, tokenized in batches
+    when this HFLM runs paged and tokenizes as lm-eval does; otherwise stock's method."""
+    from hf_paged.integration.lm_eval.serving import is_active
+
+    original = _originals["loglikelihood"]
+    with timings.span("client.requests"):
+        if not requests or not is_active(self):
+            return original(self, requests, disable_tqdm=disable_tqdm)
+        from hf_paged.integration.lm_eval import loglikelihood as adapter
+
+        if not adapter.tokenizes_as_stock(self):
+            return original(self, requests, disable_tqdm=disable_tqdm)
+        return adapter.loglikelihood(self, requests, disable_tqdm)
 
 
 def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
