@@ -19,6 +19,7 @@ No torch and no test imports here: it runs before anything is installed.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,9 +41,12 @@ class Part:
     estimate_s: int = 0  # on one H200, cold Triton cache (see the README for measured times)
     rest: bool = False  # also every top-level test folder no other part names
     may_be_empty: bool = False  # "no tests selected" is a pass
+    workers: int = 0  # pytest-xdist processes where it is installed (tests with fixed KV sizes:
+    # an engine sized from its share of the device would refuse beside another)
 
 
 KERNELS_MAIN = ("tests/kernels/test_paged_attention_kernels.py",)
+COVERAGE = ("tests/models/test_coverage_on_device.py",)
 
 PARTS = (
     Part(1, "engine: runner and CUDA graphs, scheduler, KV memory budget (10 rebuilds, two "
@@ -56,14 +60,17 @@ PARTS = (
     Part(3, "Triton attention kernels against their torch references (prefill, decode, "
             "split-K, softcap/ALiBi/sinks/MLA, CUDA graphs): ~110 tests, Triton compiles "
             "for each",
-         KERNELS_MAIN, estimate_s=330),
+         KERNELS_MAIN, estimate_s=120, workers=8),
     Part(4, "the other kernels: fused norms/rope/activations (~400 cases), skinny GEMM, FP8 "
             "GEMM and the tiny FP8 checkpoint, PDL",
-         ("tests/kernels",), ignore=KERNELS_MAIN, estimate_s=240),
-    Part(5, "models: the CUDA coverage run over ~140 architectures (fp32, served vs stock), "
-            "generic path, adapters, toy-model protocol",
-         ("tests/models",), estimate_s=300),
-    Part(6, "every other test folder (tp's tests are multi_gpu: none selected by -m gpu)",
+         ("tests/kernels",), ignore=KERNELS_MAIN, estimate_s=90, workers=8),
+    Part(5, "models: generic path, adapters, toy-model protocol, the hybrid and SSM families "
+            "on CUDA (decode graphs, cramped engines)",
+         ("tests/models",), ignore=COVERAGE, estimate_s=300),
+    Part(6, "the CUDA coverage run over ~150 architectures (fp32, served vs stock), in 4 shards "
+            "side by side",
+         COVERAGE, estimate_s=300, workers=4),
+    Part(7, "every other test folder (tp's tests are multi_gpu: none selected by -m gpu)",
          ("tests/engine/worker/tp",), rest=True, may_be_empty=True, estimate_s=30),
 )  # fmt: skip
 
@@ -109,6 +116,17 @@ def pytest_args(p: Part, root: Path = ROOT) -> list[str]:
     return ["-m", "gpu", *r.paths, *(f"--ignore={path}" for path in r.ignore)]
 
 
+def xdist_args(p: Part) -> list[str]:
+    """``-n K`` for a part that runs side by side, where pytest-xdist is installed (make
+    gpu-wheels carries it); nothing otherwise (the part then runs in one process, slower)."""
+    if not p.workers:
+        return []
+    if importlib.util.find_spec("xdist") is None:
+        print(f"gpu_parts: part {p.number}: pytest-xdist is not installed, one process", flush=True)
+        return []
+    return ["-n", str(p.workers)]
+
+
 def markdown() -> str:
     rows = ["| part | covers | folders / files | estimate |", "|---|---|---|---|"]
     for p in PARTS:
@@ -134,7 +152,7 @@ def run(p: Part, extra: list[str], out_dir: Path) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = out_dir / f"gpu_tests_part{p.number}_{stamp}"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfEs", "--durations=25",
-           f"--junitxml={base}.xml", *pytest_args(p), *extra]  # fmt: skip
+           f"--junitxml={base}.xml", *pytest_args(p), *xdist_args(p), *extra]  # fmt: skip
     print("gpu_parts: " + " ".join(cmd), flush=True)
     start = time.perf_counter()
     last = ""

@@ -21,7 +21,8 @@ plat=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "${pip[@]}" download -q --no-deps --only-binary=:all: "${plat[@]}" -d "$dest" \
   lm-eval==0.4.13 datasets==5.2.0 evaluate pytablewriter DataProperty mbstrdecoder pathvalidate \
-  tabledata tcolorpy typepy chardet "dill<0.4.2" "multiprocess<0.70.20" more-itertools nltk
+  tabledata tcolorpy typepy chardet "dill<0.4.2" "multiprocess<0.70.20" more-itertools nltk \
+  pytest-xdist execnet
 # two pure-Python dependencies ship only as source: build their wheels here
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

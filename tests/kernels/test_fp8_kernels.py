@@ -234,7 +234,7 @@ def _engine_logprobs(ckpt: str, path: str, group: int) -> list[tuple[torch.Tenso
 
     vocab = AutoConfig.from_pretrained(ckpt).vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
-    with _forced(path), LLM(ckpt, max_model_len=128, dtype="bfloat16") as llm:
+    with _forced(path), LLM(ckpt, max_model_len=128, dtype="bfloat16", num_kv_blocks=64) as llm:
         layer = llm.engine.executor.runner.model.model.layers[0]
         assert layer.input_layernorm.quant_group == group  # the fused norm -> FP8 producer
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
