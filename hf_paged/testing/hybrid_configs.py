@@ -69,3 +69,7 @@ HYBRID_FAMILIES = (
     "qwen3_5_text", "qwen3_next", "olmo_hybrid", "minimax", "mamba", "falcon_mamba", "mamba2",
     "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "jamba", "lfm2", "recurrent_gemma",
 )  # fmt: skip
+# families beyond the issue's list whose recurrent layers an existing mixer serves (LaraMini's
+# Gated DeltaNet is Qwen3.5's, LFM3's short conv LFM2's); their default configs mix layer kinds
+# when cut to two layers, so they need no fields of their own
+MORE_HYBRID_FAMILIES = ("lara_mini", "lfm3")

@@ -1,11 +1,13 @@
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) as a ``RecurrentMixer``.
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, LaraMini, OLMo-hybrid) as a
+``RecurrentMixer``.
 
 The HF module's own parameters run it (shared, not copied). The families differ only in how the
 hidden rows become ``(qkv, z, b, a)``:
 
 * Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``, interleaved per key-head group (the module's
   own ``fix_query_key_value_ordering`` undoes it);
-* Qwen3.5 / Qwen3.5-MoE: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
+* Qwen3.5 / Qwen3.5-MoE / LaraMini: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a``;
 * OLMo-hybrid: ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (the gate), ``a_proj``,
   ``b_proj``; ``beta`` doubled when ``allow_neg_eigval``; ``o_norm`` / ``o_proj``.
 
@@ -37,6 +39,7 @@ HF_CLASSES = (
     "Qwen3NextGatedDeltaNet",
     "Qwen3_5GatedDeltaNet",
     "Qwen3_5MoeGatedDeltaNet",
+    "LaraMiniGatedDeltaNet",
     "OlmoHybridGatedDeltaNet",
 )
 

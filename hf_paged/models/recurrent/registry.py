@@ -19,7 +19,7 @@ MIXERS: dict[str, str | None] = {
     "Qwen3_5GatedDeltaNet": "gated_delta:GatedDeltaNetMixer",
     "Qwen3_5MoeGatedDeltaNet": "gated_delta:GatedDeltaNetMixer",
     "OlmoHybridGatedDeltaNet": "gated_delta:GatedDeltaNetMixer",
-    "LaraMiniGatedDeltaNet": None,
+    "LaraMiniGatedDeltaNet": "gated_delta:GatedDeltaNetMixer",
     "Qwen4ExpTextGatedDeltaNet": None,
     "KimiLinearDeltaAttention": None,
     "BailingHybridDeltaAttention": None,
@@ -40,7 +40,7 @@ MIXERS: dict[str, str | None] = {
     # short convolutions
     "Lfm2ShortConv": "short_conv:ShortConvMixer",
     "Lfm2MoeShortConv": None,
-    "Lfm3ShortConv": None,
+    "Lfm3ShortConv": "short_conv:ShortConvMixer",
     # RG-LRU
     "RecurrentGemmaRecurrentBlock": "rglru:RGLRUMixer",
 }  # fmt: skip

@@ -1,9 +1,10 @@
-"""LFM2's gated short convolution as a ``RecurrentMixer``.
+"""LFM2's gated short convolution (LFM2, LFM3) as a ``RecurrentMixer``.
 
-As the HF module (``Lfm2ShortConv``): ``B, C, x = in_proj(h)`` (in that order along the
-features), a depthwise causal convolution of ``B * x`` without activation (its window of
-``conv_L_cache - 1`` inputs carried in the ``conv`` state, model dtype), ``C * conv`` and
-``out_proj``. There is no recurrent state: the window is all a sequence carries.
+As the HF module (``Lfm2ShortConv``; ``Lfm3ShortConv`` is the same code):
+``B, C, x = in_proj(h)`` (in that order along the features), a depthwise causal convolution of
+``B * x`` without activation (its window of ``conv_L_cache - 1`` inputs carried in the ``conv``
+state, model dtype), ``C * conv`` and ``out_proj``. There is no recurrent state: the window is
+all a sequence carries.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hf_paged.models.recurrent.conv_window import causal_conv
 from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer
 
 # the HF classes this mixer serves
-HF_CLASSES = ("Lfm2ShortConv",)
+HF_CLASSES = ("Lfm2ShortConv", "Lfm3ShortConv")
 
 
 class ShortConvMixer(PaddedMixer):

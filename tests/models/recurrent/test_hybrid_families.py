@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_paged import LLM, SamplingParams, release
 from hf_paged.models.recurrent import registry
 from hf_paged.testing import build_tiny
-from hf_paged.testing.hybrid_configs import HYBRID_FAMILIES
+from hf_paged.testing.hybrid_configs import HYBRID_FAMILIES, MORE_HYBRID_FAMILIES
 from hf_paged.testing.hybrid_oracle import NEW_TOKENS, hybrid_prompts, paged_batched, stock_alone
 
 BASE = dict(kv_block_size=4, max_model_len=96)
@@ -23,7 +23,7 @@ BASE = dict(kv_block_size=4, max_model_len=96)
 CRAMPED = dict(BASE, max_num_batched_tokens=16, num_kv_blocks=30)
 
 
-@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES + MORE_HYBRID_FAMILIES)
 def family(request, tmp_path_factory):
     config, model = build_tiny(request.param)
     missing = registry.unserved({type(m).__name__ for _, m in registry.recurrent_modules(model)})
