@@ -1,8 +1,11 @@
-"""A tiny Qwen3.5 (Gated DeltaNet + attention) through the real safetensors path and every
-entry point: ``LLM(path)``, ``AutoPagedModelForCausalLM.from_pretrained(path)`` and
-``pipeline(..., backend="paged")``, each greedy-identical to stock on each prompt alone."""
+"""A tiny Qwen3.5 (Gated DeltaNet + attention) and a tiny Mamba2 (SSD layers only) through the
+real safetensors path and every entry point: ``LLM(path)``,
+``AutoPagedModelForCausalLM.from_pretrained(path)`` and ``pipeline(..., backend="paged")``, each
+greedy-identical to stock on each prompt alone."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_paged import LLM, AutoPagedModelForCausalLM
+from hf_paged.integration.fallback import PagedFallbackWarning
 from hf_paged.integration.pipeline import (
     install_pipeline,
     is_pipeline_installed,
@@ -22,10 +26,10 @@ ENGINE = dict(kv_block_size=4, max_model_len=96, num_kv_blocks=200, max_num_batc
 TEXTS = ["Hello, my name is", "ab", "The capital of France is", "def fib(n):"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    _, model = build_tiny("qwen3_5_text", vocab_size=TINY_VOCAB)
-    path = str(tmp_path_factory.mktemp("qwen3_5"))
+@pytest.fixture(scope="module", params=["qwen3_5_text", "mamba2"])
+def ckpt(request, tmp_path_factory):
+    _, model = build_tiny(request.param, vocab_size=TINY_VOCAB)
+    path = str(tmp_path_factory.mktemp(request.param))
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -67,7 +71,10 @@ def test_pipeline(ckpt):
         pipe = transformers.pipeline("text-generation", model=path, backend="paged",
                                      paged_config=dict(ENGINE, device="cpu"), device="cpu")  # fmt: skip
         try:
-            paged = [r[0]["generated_text"] for r in pipe(TEXTS, batch_size=2, **greedy)]
+            with warnings.catch_warnings():  # served by the engine, not a stock fallback
+                warnings.simplefilter("error", PagedFallbackWarning)
+                paged = [r[0]["generated_text"] for r in pipe(TEXTS, batch_size=2, **greedy)]
+            assert pipe.model.engine.stats["num_state_slots"] > 0
         finally:
             pipe.model.close()
     finally:
