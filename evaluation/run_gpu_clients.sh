@@ -15,6 +15,12 @@
 # `all` runs the three in a row (about 20 minutes: more than one call allows). Ray is not on the
 # GPU image: its client skips, naming why. Stock runs at the issue's sizes take most of the time
 # (generate_until at batch 16: ~140 s).
+# Issue 29's breakdown table (stock's phases beside ours, "outside model work" ours - stock <= 1 s):
+#   CLIENTS_BREAKDOWN=1 bash evaluation/run_gpu_clients.sh a
+# re-runs each pair's stock command under `hf-paged run --timings FILE --backend hf` after the
+# pair: stock's time again per client, so select fewer clients per call with -k (the part's
+# pytest arguments below); the tables land in the JSON (breakdown_tables) and beside it in
+# clients_gpu_<UTC>.breakdown.md. Off (0) by default.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
@@ -29,6 +35,7 @@ else
   export PYTHONPATH=.
 fi
 export CLIENTS_SIZE=gpu CLIENTS_RESULTS_DIR=$out PYTHONUNBUFFERED=1
+export CLIENTS_BREAKDOWN=${CLIENTS_BREAKDOWN:-0}
 export HF_PAGED_GIT_SHA=${HF_PAGED_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 

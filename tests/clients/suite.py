@@ -13,6 +13,15 @@ Qwen3-0.6B architecture, random bf16 weights, ``max_position_embeddings`` 40960.
 
 Results: one JSON file per session, ``clients_<size>_<UTC stamp>.json``, in
 ``CLIENTS_RESULTS_DIR`` (default: ``evaluation/results`` for gpu, the session's temp dir for cpu).
+
+Stock's breakdown (``CLIENTS_BREAKDOWN=1``; off by default, as it adds a third process per
+pair): after each stock/paged pair, stock's command runs once more under the same timing hooks,
+``hf-paged run --timings FILE --backend hf`` (everything stock, the client's phases recorded),
+its outputs renamed ``*_timed`` so that nothing the comparison reads is touched; every process
+runs alone then, on CPU too. The client's
+entry then holds ``stock_breakdown`` beside the paged run's, and ``breakdown_tables``: both
+processes' phases side by side (``hf_paged/benchmarks/breakdown.py``) with ours minus stock's
+outside model work, issue 29's bar (<= 1 s); the tables also go to ``<results>.breakdown.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hf_paged.benchmarks.breakdown import SLACK_S, phases, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = Path(__file__).resolve().parent / "targets"
@@ -86,6 +97,14 @@ SIZES = {
 # fmt: on
 
 
+def breakdown_on() -> bool:
+    """``CLIENTS_BREAKDOWN=1``: stock's command runs a second time under the timing hooks."""
+    value = os.environ.get("CLIENTS_BREAKDOWN", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"CLIENTS_BREAKDOWN={value!r} is not allowed: 0 or 1")
+    return value == "1"
+
+
 def current_size() -> Size:
     name = os.environ.get("CLIENTS_SIZE")
     if not name:
@@ -99,7 +118,8 @@ def current_size() -> Size:
 
 @dataclass
 class Run:
-    """One client process: its command, exit code, wall time and (paged) time breakdown."""
+    """One client process: its command, exit code, wall time and (paged) time breakdown; the
+    timing record of a process that wrote one; a stock run's re-run under the timing hooks."""
 
     name: str
     system: str  # "stock" or "paged"
@@ -108,6 +128,8 @@ class Run:
     wall_s: float
     log: str  # the last part of its output
     breakdown: dict = field(default_factory=dict)
+    record: dict = field(default_factory=dict)  # timings.snapshot() of the main process
+    timed: Run | None = None  # stock: the same command under `hf-paged run --backend hf`
 
     def check(self) -> Run:
         assert self.rc == 0, f"{self.name} ({self.system}) exited {self.rc}:\n{self.log}"
@@ -139,14 +161,47 @@ class _Started:
     timeout_s: int
 
 
+def timings_path(workdir: Path, name: str, system: str) -> str:
+    return str(workdir / f"{name}.{system}.timings.jsonl")
+
+
+def timed_stock_command(cmd: list, timings_file: str, outputs: dict | None = None) -> list[str]:
+    """Stock's ``[python, -m, MODULE, args...]`` or ``[python, SCRIPT, args...]`` as
+    ``[python, -m, hf_paged.entrypoints.cli, run, --timings, FILE, --backend, hf, -m, MODULE,
+    args...]`` (``SCRIPT, args...``): the same program, stock, under the timing hooks.
+    ``outputs`` maps arguments (output paths) to the ones the re-run writes instead.
+
+    Raises:
+        ValueError: a command with python options other than ``-m``.
+    """
+    python, *rest = [str(c) for c in cmd]
+    n = 2 if rest[:1] == ["-m"] else 1
+    if not rest[n - 1 :] or (n == 1 and rest[0].startswith("-")):
+        raise ValueError(f"cmd={cmd!r} is not allowed: python -m MODULE ... or python SCRIPT ...")
+    program, args = rest[:n], rest[n:]
+    renames = {str(k): str(v) for k, v in (outputs or {}).items()}
+    return [python, "-m", "hf_paged.entrypoints.cli", "run", "--timings", timings_file,
+            "--backend", "hf", *program, *[renames.get(a, a) for a in args]]  # fmt: skip
+
+
+def timed_output(path: Path) -> Path:
+    """Where the timed re-run writes what stock writes to ``path``: ``stock.json`` ->
+    ``stock_timed.json``, ``stock`` -> ``stock_timed``."""
+    return path.with_name(f"{path.stem}_timed{path.suffix}")
+
+
 def start(name: str, system: str, cmd: list, workdir: Path, timeout_s: int, **env) -> _Started:
-    """Start one client process; ``finish`` waits for it. Paged processes record timings."""
+    """Start one client process; ``finish`` waits for it. Paged processes record timings
+    (``HF_PAGED_TIMINGS``); a ``stock_timed`` command names its own file
+    (``timed_stock_command``)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    timings_file = str(workdir / f"{name}.{system}.timings.jsonl") if system == "paged" else None
+    recorded = system in ("paged", "stock_timed")
+    timings_file = timings_path(workdir, name, system) if recorded else None
     log = open(workdir / f"{name}.{system}.log", "w")
     t0 = time.perf_counter()
+    env_file = timings_file if system == "paged" else None
     proc = subprocess.Popen([str(c) for c in cmd], cwd=workdir, stdout=log,
-                            stderr=subprocess.STDOUT, env=child_env(timings_file, **env))  # fmt: skip
+                            stderr=subprocess.STDOUT, env=child_env(env_file, **env))  # fmt: skip
     return _Started(name, system, [str(c) for c in cmd], proc, log, t0, timings_file, timeout_s)
 
 
@@ -173,20 +228,36 @@ def _result(s: _Started, end: float) -> Run:
     text = Path(s.log.name).read_text(errors="replace")[-6000:]
     run = Run(s.name, s.system, s.cmd, s.proc.returncode, wall, text)
     if s.timings_file is not None and os.path.exists(s.timings_file):
-        run.breakdown = breakdown(wall, read_timings(s.timings_file), s.proc.pid)
+        run.record = read_timings(s.timings_file)
+        if s.system == "paged":
+            run.breakdown = breakdown(wall, run.record, s.proc.pid)
     return run
 
 
-def run_pair(size: Size, name: str, stock_cmd, paged_cmd, workdir: Path, **env) -> tuple[Run, Run]:
+def run_pair(size: Size, name: str, stock_cmd, paged_cmd, workdir: Path,
+             stock_out: Path | None = None, **env) -> tuple[Run, Run]:  # fmt: skip
     """Stock and paged runs of one client. On GPU one after the other (clean wall times); on
-    CPU at once (the times mean nothing there, the 2 cores halve the suite's time)."""
-    if size.device == "cpu":
+    CPU at once (the times mean nothing there, the 2 cores halve the suite's time).
+
+    With ``CLIENTS_BREAKDOWN=1``, stock's command then runs once more under the timing hooks
+    (``stock.timed``), writing ``timed_output(stock_out)`` where stock writes ``stock_out`` (an
+    argument of ``stock_cmd``: pass it when the client writes files). Every process then runs
+    alone, on CPU too: phases of a paged run that shared the cores with stock would not compare
+    with those of a stock run alone."""
+    if size.device == "cpu" and not breakdown_on():
         stock, paged = finish(start(name, "stock", stock_cmd, workdir, size.timeout_s, **env),
                               start(name, "paged", paged_cmd, workdir, size.timeout_s, **env))  # fmt: skip
     else:
         (stock,) = finish(start(name, "stock", stock_cmd, workdir, size.timeout_s, **env))
         (paged,) = finish(start(name, "paged", paged_cmd, workdir, size.timeout_s, **env))
-    return stock.check(), paged.check()
+    stock.check()
+    paged.check()
+    if breakdown_on():
+        outputs = {stock_out: timed_output(stock_out)} if stock_out is not None else None
+        cmd = timed_stock_command(stock_cmd, timings_path(workdir, name, "stock_timed"), outputs)
+        (stock.timed,) = finish(start(name, "stock_timed", cmd, workdir, size.timeout_s, **env))
+        stock.timed.check()
+    return stock, paged
 
 
 def run_one(size: Size, name: str, system: str, cmd, workdir: Path, **env) -> Run:
@@ -239,7 +310,8 @@ class Results:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / f"clients_{size.name}_{stamp}.json"
-        self.doc = {"size": dataclasses.asdict(size), "env": _environment(), "clients": []}
+        self.doc = {"size": dataclasses.asdict(size), "env": _environment(),
+                    "breakdown": breakdown_on(), "clients": []}  # fmt: skip
 
     def add(self, client: str, runs: list[Run], **facts) -> dict:
         entry = {"client": client, **facts, "runs": [_run_entry(r) for r in runs]}
@@ -247,14 +319,49 @@ class Results:
         paged = [r.wall_s for r in runs if r.system == "paged"]
         if len(stock) == len(paged) == 1:
             entry["wall_ratio_stock_over_paged"] = stock[0] / paged[0]
+        tables = _breakdown_tables(runs)
+        if tables:
+            entry["breakdown_tables"] = tables
+            self._write_tables(client, tables)
         self.doc["clients"].append(entry)
         self.path.write_text(json.dumps(self.doc, indent=1))
         return entry
 
+    def _write_tables(self, client: str, tables: list[dict]) -> None:
+        md = self.path.with_suffix(".breakdown.md")
+        with open(md, "a") as f:
+            for t in tables:
+                f.write(f"## {client}: {t['run']}\n\n{t['table']}\n\nours - stock outside model "
+                        f"work: {t['outside_model_work_diff_s']:+.2f} s (bar: <= "
+                        f"{SLACK_S:.0f} s)\n\n")  # fmt: skip
+
+
+def _breakdown_tables(runs: list[Run]) -> list[dict]:
+    """Each pair's stock (timed re-run) and paged phases side by side."""
+    paged = {r.name: r for r in runs if r.system == "paged" and r.record}
+    out = []
+    for stock in runs:
+        if stock.system != "stock" or stock.timed is None or not stock.timed.record:
+            continue
+        if stock.name not in paged:
+            continue
+        both = side_by_side(stock.timed.record, paged[stock.name].record)
+        out.append({"run": stock.name, "table": both["table"],
+                    "outside_model_work_diff_s": both["outside_model_work_diff_s"],
+                    "within_slack": both["within_slack"]})  # fmt: skip
+    return out
+
 
 def _run_entry(run: Run) -> dict:
-    return {"system": run.system, "cmd": run.cmd, "wall_s": run.wall_s,
-            "breakdown": run.breakdown}  # fmt: skip
+    entry = {"system": run.system, "cmd": run.cmd, "wall_s": run.wall_s,
+             "breakdown": run.breakdown}  # fmt: skip
+    if run.timed is not None:  # the same phases for both sides (the issue 29 table)
+        entry["stock_breakdown"] = {"cmd": run.timed.cmd, "wall_s": run.timed.wall_s,
+                                    "phases": phases(run.timed.record) if run.timed.record
+                                    else {}}  # fmt: skip
+    elif run.system == "paged" and run.record and breakdown_on():
+        entry["phases"] = phases(run.record)
+    return entry
 
 
 def _environment() -> dict:

@@ -8,7 +8,8 @@ JSONL tasks of the three kinds (issue 23, acceptance 2):
 * loglikelihood_rolling: long docs; fp32: the same loglikelihoods.
 
 ``--batch_size`` 16 (4 on CPU) per task, and ``auto`` on all three tasks in one run, with
-``--log_samples``. Wall times, their ratio and the paged run's breakdown go to the results.
+``--log_samples``. Wall times, their ratio and the paged run's breakdown go to the results (with
+``CLIENTS_BREAKDOWN=1``, stock's too: see suite.py).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def test_lm_eval_cli_per_task(kind, size, checkpoint, tasks, workroot, results):
     out = workroot / f"lm_eval_{name}"
     stock_cmd, paged_cmd = commands(size, checkpoint, tasks, [name], out,
                                     size.lm_eval_batch_size)  # fmt: skip
-    stock, paged = run_pair(size, f"lm_eval_{kind}", stock_cmd, paged_cmd, out)
+    stock, paged = run_pair(size, f"lm_eval_{kind}", stock_cmd, paged_cmd, out, out / "stock")
     check_paged_log(paged, [kind])
     facts = compare(kind, samples(out / "stock", name), samples(out / "paged", name),
                     exact_scores=size.dtype == "float32")  # fmt: skip
@@ -179,7 +180,7 @@ def test_lm_eval_cli_per_task(kind, size, checkpoint, tasks, workroot, results):
 def test_lm_eval_cli_batch_size_auto(size, checkpoint, tasks, workroot, results):
     out = workroot / "lm_eval_auto"
     stock_cmd, paged_cmd = commands(size, checkpoint, tasks, list(TASKS.values()), out, "auto")
-    stock, paged = run_pair(size, "lm_eval_auto", stock_cmd, paged_cmd, out)
+    stock, paged = run_pair(size, "lm_eval_auto", stock_cmd, paged_cmd, out, out / "stock")
     check_paged_log(paged, list(TASKS))
     facts = {kind: compare(kind, samples(out / "stock", name), samples(out / "paged", name),
                            exact_scores=size.dtype == "float32")
@@ -199,7 +200,8 @@ def test_lm_eval_cli_fp32(size, checkpoint, tasks, workroot, results):
         name = TASKS[kind]
         stock_cmd, paged_cmd = commands(size, checkpoint, tasks, [name], out / name,
                                         size.lm_eval_batch_size, "float32", limit)  # fmt: skip
-        stock, paged = run_pair(size, f"lm_eval_fp32_{kind}", stock_cmd, paged_cmd, out / name)
+        stock, paged = run_pair(size, f"lm_eval_fp32_{kind}", stock_cmd, paged_cmd, out / name,
+                                out / name / "stock")  # fmt: skip
         check_paged_log(paged, [kind])
         facts[kind] = compare(kind, samples(out / name / "stock", name),
                               samples(out / name / "paged", name), exact_scores=True)  # fmt: skip

@@ -31,7 +31,8 @@ def test_pipeline_list_and_keydataset(size, checkpoint, workroot, results):
                 *extra]  # fmt: skip
 
     stock, paged = run_pair(size, "pipeline", cmd("head.json", "stock.json"),
-                            cmd("all.json", "paged.json", "--paged"), out)  # fmt: skip
+                            cmd("all.json", "paged.json", "--paged"), out,
+                            out / "stock.json")  # fmt: skip
     s = json.loads((out / "stock.json").read_text())
     p = json.loads((out / "paged.json").read_text())
     k = size.stock_pipeline_prompts

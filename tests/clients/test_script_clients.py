@@ -24,7 +24,7 @@ def test_hf_paged_run_on_an_unmodified_script(size, checkpoint, prompts, workroo
 
     stock, paged = run_pair(size, "hf_script", [sys.executable, *cmd("stock.json")],
                             [sys.executable, "-m", "hf_paged.entrypoints.cli", "run", *cmd("paged.json")],
-                            out)  # fmt: skip
+                            out, out / "stock.json")  # fmt: skip
     s = json.loads((out / "stock.json").read_text())
     p = json.loads((out / "paged.json").read_text())
     assert p == s, [i for i, (a, b) in enumerate(zip(s, p)) if a != b]
