@@ -1,7 +1,7 @@
 """lm-eval's own CLI, stock beside ``hf-paged run``, at issue 29's sizes: full runs and 8-doc runs.
 
 For each task kind (``--kinds``: generate_until, multiple_choice, loglikelihood_rolling; the
-documents of ``hf_paged.benchmarks.lm_eval_tasks.issue_docs``), ``--repeats`` times, in fresh
+documents of ``issue_docs``), ``--repeats`` times, in fresh
 processes, alternating stock and ours:
 
     stock: python -m lm_eval --model hf --model_args pretrained=DIR,dtype=D --tasks T
@@ -32,16 +32,48 @@ import glob
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hf_paged.benchmarks.lm_eval_tasks import KINDS, issue_docs, write_task
+from hf_paged.benchmarks.lm_eval_tasks import KINDS, write_task
 from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp
 
 LIMIT = 8  # the run that measures what a process costs before any real work
+
+
+def issue_docs(kind: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
+    """Issue 29's documents of ``kind``; ``scale`` < 1 shrinks counts and lengths (smoke runs).
+
+    * generate_until: 384 docs, a 260-word prefix every doc shares, then a question of 10-30
+      words and ``"\\nA:"``;
+    * multiple_choice: 1,000 docs, contexts of 150-250 words, 4 choices of 1-4 words;
+    * loglikelihood_rolling: 100 docs of 800-2,400 words.
+    """
+    from hf_paged.testing.tokenizer import random_words
+
+    rng = random.Random(seed)
+
+    def n(x: int) -> int:
+        return max(1, round(x * scale))
+
+    def words(lo: int, hi: int) -> str:
+        return random_words(rng, rng.randint(n(lo), n(hi)))
+
+    if kind == "generate_until":
+        prefix = random_words(rng, n(260))
+        return [{"question": f"{prefix}\nQ{i}: {words(10, 30)}\nA:", "answer": words(1, 3)}
+                for i in range(n(384))]  # fmt: skip
+    if kind == "multiple_choice":
+        return [{"question": words(150, 250) + "\nA:",
+                 "choices": [" " + random_words(rng, rng.randint(1, 4)) for _ in range(4)],
+                 "label": rng.randrange(4)} for _ in range(n(1000))]  # fmt: skip
+    if kind == "loglikelihood_rolling":
+        return [{"text": words(800, 2400)} for _ in range(n(100))]
+    raise ValueError(f"kind={kind!r} is not allowed: must be one of {list(KINDS)}")
 
 
 def build_checkpoint(folder: Path, smoke: bool) -> None:

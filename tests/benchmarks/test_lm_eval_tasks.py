@@ -1,12 +1,22 @@
-"""The local lm-eval tasks of ``hf_paged.benchmarks.lm_eval_tasks``: issue 29's documents at a
-small scale, written as YAML + JSONL that lm-eval's own task manager loads, with the request
-kind and document count asked for."""
+"""The local lm-eval tasks of ``hf_paged.benchmarks.lm_eval_tasks``: issue 29's documents
+(``evaluation/run_lm_eval_cli.py``'s ``issue_docs``) at a small scale, written as YAML + JSONL
+that lm-eval's own task manager loads, with the request kind and document count asked for."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from hf_paged.benchmarks.lm_eval_tasks import KINDS, issue_docs, write_task
+from hf_paged.benchmarks.lm_eval_tasks import KINDS, write_task
+
+_spec = importlib.util.spec_from_file_location(
+    "run_lm_eval_cli", Path(__file__).resolve().parents[2] / "evaluation/run_lm_eval_cli.py"
+)
+_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cli)
+issue_docs = _cli.issue_docs
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # lm-eval 0.4.13 get_task_dict

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_paged.benchmarks.lm_eval_tasks import write_task
 from tests.clients.suite import random_text, run_pair
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
@@ -30,36 +31,6 @@ pytestmark = pytest.mark.clients
 
 TASKS = {"generate_until": "clients_gen", "multiple_choice": "clients_mc",
          "loglikelihood_rolling": "clients_ppl"}  # fmt: skip
-HEAD = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: {kind}
-"""
-BODY = {
-    "generate_until": """doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n\\n"]
-  max_gen_toks: {max_gen_toks}
-  do_sample: false
-metric_list:
-  - metric: exact_match
-""",
-    "multiple_choice": """doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-""",
-    "loglikelihood_rolling": """doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: bits_per_byte
-""",
-}
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +57,7 @@ def tasks(size, workroot) -> Path:
         ],
     }  # fmt: skip
     for kind, name in TASKS.items():
-        data = d / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(doc) + "\n" for doc in docs[kind]))
-        yaml = HEAD.format(name=name, data=data, kind=kind) + BODY[kind].format(
-            max_gen_toks=size.max_gen_toks
-        )
-        (d / f"{name}.yaml").write_text(yaml)
+        write_task(d, name, kind, docs[kind], max_gen_toks=size.max_gen_toks)
     return d
 
 
