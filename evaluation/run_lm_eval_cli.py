@@ -28,9 +28,7 @@ Smoke (CPU): PYTHONPATH=. .venv/bin/python evaluation/run_lm_eval_cli.py --smoke
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import math
 import os
 import random
 import statistics
@@ -39,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_paged.benchmarks.lm_eval_tasks import KINDS, write_task
+from hf_paged.benchmarks.lm_eval_tasks import KINDS, agreement, samples, write_task
 from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp
 
 LIMIT = 8  # the run that measures what a process costs before any real work
@@ -116,43 +114,6 @@ def run_process(side: str, args: list[str], timeout_s: int) -> dict:
     return {"side": side, "wall_s": round(wall, 2), "rc": proc.returncode, "fallback": fell}
 
 
-def samples(out: Path, task: str) -> list[dict]:
-    paths = glob.glob(f"{out}/**/samples_{task}_*.jsonl", recursive=True)
-    if not paths:
-        return []
-    with open(sorted(paths)[-1]) as f:
-        return sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
-
-
-def _score(resp) -> float:
-    """A response's loglikelihood: ``[[lp, is_greedy]]`` (loglikelihood) or ``[lp]`` (rolling)."""
-    v = resp[0]
-    return float(v[0] if isinstance(v, (list, tuple)) else v)
-
-
-def agreement(kind: str, stock: list[dict], paged: list[dict]) -> dict:
-    """What two runs' samples agree on (no bar asserted here)."""
-    if not stock or len(stock) != len(paged):
-        return {"docs": len(stock), "paged_docs": len(paged), "comparable": False}
-    facts = {
-        "docs": len(stock),
-        "same_arguments": [s["arguments"] for s in stock] == [s["arguments"] for s in paged],
-    }
-    if kind == "generate_until":
-        facts["identical_strings"] = sum(a["resps"] == b["resps"] for a, b in zip(stock, paged))
-        return facts
-    scores = [([_score(r) for r in a["resps"]], [_score(r) for r in b["resps"]])
-              for a, b in zip(stock, paged)]  # fmt: skip
-    if kind == "multiple_choice":
-        picks = [(max(range(len(x)), key=x.__getitem__), max(range(len(y)), key=y.__getitem__))
-                 for x, y in scores]  # fmt: skip
-        facts["same_choice"] = sum(p == q for p, q in picks) / len(picks)
-    diffs = [abs(x - y) for a, b in scores for x, y in zip(a, b)]
-    facts["max_abs_loglikelihood_diff"] = max(diffs)
-    facts["all_finite"] = all(math.isfinite(y) for _, b in scores for y in b)
-    return facts
-
-
 def run_kind(kind: str, args, ckpt: Path, work: Path) -> dict:
     task = f"issue29_{kind}"
     tasks_dir = work / "tasks"
@@ -206,7 +167,7 @@ def markdown(rows: list[dict]) -> str:
         s, p = r["stock"], r["paged"]
         lines.append(f"| {r['kind']} | {s['full_s']} / {s[f'limit{LIMIT}_s']} | {p['full_s']} / "
                      f"{p[f'limit{LIMIT}_s']} | {s['growing_s']} / {p['growing_s']} | "
-                     f"{r['growing_ratio']}x | {r[f'limit{LIMIT}_paged_minus_stock_s']} | "
+                     f"{'n/a' if r['growing_ratio'] is None else str(r['growing_ratio']) + 'x'} | {r[f'limit{LIMIT}_paged_minus_stock_s']} | "
                      f"{json.dumps(r['agreement'])} |")  # fmt: skip
     return "\n".join(lines)
 

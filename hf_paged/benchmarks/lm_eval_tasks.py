@@ -9,12 +9,16 @@ Each task is one ``<name>.yaml`` beside its ``<name>.jsonl`` in a folder passed 
 * ``loglikelihood_rolling``: docs ``{"text"}``, lm-eval's default ``process_results`` for the
   kind (metric ``bits_per_byte``).
 
-Plain data: no lm-eval import. The documents of issue 29's runs: ``evaluation/run_lm_eval_cli.py``.
+:func:`samples` reads a run's ``--log_samples`` file and :func:`agreement` says what two runs'
+samples agree on (identical strings, same choice, loglikelihood differences). Plain data: no
+lm-eval import. The documents of issue 29's runs: ``evaluation/run_lm_eval_cli.py``.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import math
 from pathlib import Path
 
 HEAD = """task: {name}
@@ -64,3 +68,50 @@ def write_task(folder: Path, name: str, kind: str, docs: list[dict], max_gen_tok
     data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
     yaml = HEAD.format(name=name, data=data, kind=kind)
     (folder / f"{name}.yaml").write_text(yaml + BODY[kind].format(max_gen_toks=max_gen_toks))
+
+
+def samples(out: Path, task: str) -> list[dict]:
+    """The samples ``--log_samples`` wrote for ``task`` under ``out`` (the newest file), in
+    document order; [] when there is none."""
+    paths = glob.glob(f"{out}/**/samples_{task}_*.jsonl", recursive=True)
+    if not paths:
+        return []
+    with open(sorted(paths)[-1]) as f:
+        return sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+
+
+def _score(resp) -> float:
+    """A response's loglikelihood: ``[[lp, is_greedy]]`` (loglikelihood) or ``[lp]`` (rolling)."""
+    v = resp[0]
+    return float(v[0] if isinstance(v, (list, tuple)) else v)
+
+
+def _argmax(xs: list[float]) -> int:
+    return max(range(len(xs)), key=xs.__getitem__)
+
+
+def agreement(kind: str, stock: list[dict], paged: list[dict], rel_tol: float = 1e-6,
+              abs_tol: float = 1e-4) -> dict:  # fmt: skip
+    """What two runs' samples of a ``kind`` task agree on: ``docs``, ``same_arguments``, and
+    ``identical_strings`` / ``differing_docs`` (generate_until), or ``same_choice``
+    (multiple_choice), ``max_abs_loglikelihood_diff``, ``all_finite`` and ``not_close`` (the
+    loglikelihood pairs outside ``rel_tol`` / ``abs_tol``, at most 3 listed). No bar is
+    asserted here; ``comparable`` is False when the runs' document counts differ or are 0."""
+    facts: dict = {"docs": len(stock), "comparable": bool(stock) and len(stock) == len(paged)}
+    if not facts["comparable"]:
+        return {**facts, "paged_docs": len(paged)}
+    facts["same_arguments"] = [s["arguments"] for s in stock] == [s["arguments"] for s in paged]
+    if kind == "generate_until":
+        differ = [s["doc_id"] for s, p in zip(stock, paged) if s["resps"] != p["resps"]]
+        return {**facts, "identical_strings": len(stock) - len(differ), "differing_docs": differ}
+    scores = [([_score(r) for r in a["resps"]], [_score(r) for r in b["resps"]])
+              for a, b in zip(stock, paged)]  # fmt: skip
+    if kind == "multiple_choice":
+        picks = [(_argmax(x), _argmax(y)) for x, y in scores]
+        facts["same_choice"] = sum(p == q for p, q in picks) / len(picks)
+    pairs = [(x, y) for a, b in scores for x, y in zip(a, b)]
+    facts["max_abs_loglikelihood_diff"] = max(abs(x - y) for x, y in pairs)
+    facts["all_finite"] = all(math.isfinite(y) for _, y in pairs)
+    bad = [(x, y) for x, y in pairs if not math.isclose(x, y, rel_tol=rel_tol, abs_tol=abs_tol)]
+    facts["not_close"] = {"count": len(bad), "examples": bad[:3]}
+    return facts

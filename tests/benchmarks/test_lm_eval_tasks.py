@@ -5,11 +5,12 @@ that lm-eval's own task manager loads, with the request kind and document count 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
-from hf_paged.benchmarks.lm_eval_tasks import KINDS, write_task
+from hf_paged.benchmarks.lm_eval_tasks import KINDS, agreement, samples, write_task
 
 _spec = importlib.util.spec_from_file_location(
     "run_lm_eval_cli", Path(__file__).resolve().parents[2] / "evaluation/run_lm_eval_cli.py"
@@ -42,3 +43,31 @@ def test_issue_sizes_and_a_bad_kind():
         issue_docs("mc")
     with pytest.raises(ValueError, match="kind='mc' is not allowed"):
         write_task(".", "x", "mc", [])
+
+
+def _doc(i, resps, arguments=("ctx",)):
+    return {"doc_id": i, "arguments": list(arguments), "resps": resps}
+
+
+def test_agreement_of_two_runs(tmp_path):
+    gen_a = [_doc(0, [["x"]]), _doc(1, [["y"]])]
+    gen_b = [_doc(0, [["x"]]), _doc(1, [["z"]])]
+    facts = agreement("generate_until", gen_a, gen_b)
+    assert (facts["identical_strings"], facts["differing_docs"]) == (1, [1])
+    mc_a = [_doc(0, [[["-1.0", "True"]], [["-2.0", "False"]]]),
+            _doc(1, [[["-3.0", "False"]], [["-2.5", "True"]]])]  # fmt: skip
+    mc_b = [_doc(0, [[["-1.00001", "True"]], [["-2.0", "False"]]]),
+            _doc(1, [[["-2.0", "False"]], [["-2.5", "True"]]])]  # fmt: skip
+    facts = agreement("multiple_choice", mc_a, mc_b)
+    assert facts["same_choice"] == 0.5 and facts["all_finite"]
+    assert facts["max_abs_loglikelihood_diff"] == 1.0
+    assert facts["not_close"]["count"] == 1  # -3.0 vs -2.0; -1.0 vs -1.00001 is within 1e-4
+    roll = agreement("loglikelihood_rolling", [_doc(0, [["-5.0"]])], [_doc(0, [["-inf"]])])
+    assert not roll["all_finite"]
+    assert agreement("multiple_choice", mc_a, mc_a[:1])["comparable"] is False
+    # the newest samples file of a task under a run's output folder, in document order
+    run = tmp_path / "model_dir"
+    run.mkdir()
+    (run / "samples_t_2026.jsonl").write_text("".join(
+        json.dumps(d) + "\n" for d in reversed(gen_a)))  # fmt: skip
+    assert samples(tmp_path, "t") == gen_a and samples(tmp_path, "other") == []

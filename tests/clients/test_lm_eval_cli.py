@@ -14,16 +14,13 @@ JSONL tasks of the three kinds (issue 23, acceptance 2):
 
 from __future__ import annotations
 
-import glob
-import json
-import math
 import random
 import sys
 from pathlib import Path
 
 import pytest
 
-from hf_paged.benchmarks.lm_eval_tasks import write_task
+from hf_paged.benchmarks.lm_eval_tasks import agreement, samples, write_task
 from tests.clients.suite import random_text, run_pair
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
@@ -74,52 +71,28 @@ def commands(size, checkpoint, tasks, names, out, batch_size, dtype=None, limit=
     return stock, paged
 
 
-def samples(out: Path, task: str) -> list[dict]:
-    (path,) = glob.glob(f"{out}/*/samples_{task}_*.jsonl")
-    with open(path) as f:
-        return sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
-
-
-def close(a, b) -> bool:
-    """fp32 loglikelihoods within 1e-4 (long rolling sums: stock's own fp32 rounding, 1e-6)."""
-    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-4)
-
-
 def compare(kind: str, stock: list[dict], paged: list[dict], exact_scores: bool) -> dict:
-    """What the two runs' samples agree on; asserts the acceptance's bar for ``kind``."""
-    assert len(stock) == len(paged) > 0
-    assert [s["arguments"] for s in stock] == [s["arguments"] for s in paged]
+    """What the two runs' samples agree on (``lm_eval_tasks.agreement``; fp32 loglikelihoods
+    within 1e-4, long rolling sums within stock's own fp32 rounding, 1e-6 relative); asserts the
+    acceptance's bar for ``kind``."""
+    facts = agreement(kind, stock, paged)
+    assert facts["comparable"] and facts["same_arguments"], facts
     if kind == "generate_until":
         # fp32: the strings must be stock's. bf16: recorded, not asserted: on the random-weight
         # 0.6B model a change of batch shape alone moves greedy tokens (stock padded batches of
         # 16 against stock rows alone: 2 of 16 rows identical on the H200,
         # evaluation/diag_greedy_parity.py), so no bf16 run equals stock's batched strings
-        same = sum(a["resps"] == b["resps"] for a, b in zip(stock, paged))
+        bad = facts.pop("differing_docs")
         if exact_scores:
-            bad = [s["doc_id"] for s, p in zip(stock, paged) if s["resps"] != p["resps"]]
             assert not bad, f"{len(bad)} of {len(stock)} strings differ (docs {bad[:8]})"
-        return {"docs": len(stock), "identical_strings": same}
-    scores = [([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]) for a, b in
-              zip(stock, paged)]  # fmt: skip
-    facts: dict = {"docs": len(stock)}
+        return facts
     if kind == "multiple_choice":
-        picks = [(_argmax([s[0] for s in a]), _argmax([s[0] for s in b])) for a, b in scores]
-        facts["same_choice"] = sum(x == y for x, y in picks) / len(picks)
         assert facts["same_choice"] >= 0.99, facts
-        pairs = [(x[0], y[0]) for a, b in scores for x, y in zip(a, b)]
-    else:
-        pairs = [(a[0], b[0]) for a, b in scores]
-    facts["max_abs_loglikelihood_diff"] = max(abs(float(x) - float(y)) for x, y in pairs)
-    facts["all_finite"] = all(math.isfinite(float(y)) for _, y in pairs)
-    assert facts["all_finite"]
+    assert facts["all_finite"], facts
     if exact_scores:
-        bad = [(x, y) for x, y in pairs if not close(x, y)]
-        assert not bad, f"{len(bad)} loglikelihoods differ, e.g. {bad[:3]}"
+        bad = facts["not_close"]
+        assert not bad["count"], f"{bad['count']} loglikelihoods differ, e.g. {bad['examples']}"
     return facts
-
-
-def _argmax(xs) -> int:
-    return max(range(len(xs)), key=lambda i: float(xs[i]))
 
 
 def check_paged_log(paged, kinds) -> None:
