@@ -4,16 +4,17 @@ As the HF mixer: ``gate, xBC, dt = in_proj(h)`` (Falcon-H1 first scales ``h`` by
 ``ssm_in_multiplier`` and the projection by its ``mup_vector``); a depthwise causal conv of
 ``xBC`` with the activation (its ``kernel - 1`` window carried in the ``conv`` state, model
 dtype); ``x, B, C`` split with ``n_groups`` groups of ``B``/``C``;
-``dt = clamp(softplus(dt + dt_bias), time_step_limit)``; the SSD recurrence (``ssd.py``) over a
+``dt = softplus(dt + dt_bias)``; the SSD recurrence (``ssd.py``) over a
 fp32 ``recurrent`` state ``[heads, head_dim, d_state]``; ``+ D * x``; the module's own gated
 RMSNorm (grouped by ``n_groups``; Falcon-H1's norm-before-gate variant, or a plain
 ``silu(gate)`` where ``mamba_rms_norm`` is off); ``out_proj``.
 
 Prefill and mixed steps run the chunked SSD over the padded step (``padded.py``; ``dt = 0``
 past a chunk's end leaves the state as it is); a step of single tokens runs ``ssd_step``.
-Stock clamps ``dt`` to ``time_step_limit`` in its prefill only (its torch decode does not):
-here both clamp, as the kernels the models were trained with do (it matters only for
-Nemotron-H, whose lower limit is ``time_step_min``).
+Stock clamps ``dt`` to ``time_step_limit`` in the call that runs the prompt and not in its
+single-token decode calls (nor does the decode kernel), so a token's ``dt`` depends on whether
+stock saw it as prompt or decode: a limit other than the default ``(0, inf)`` (a no-op after
+softplus) is refused by name, and the model runs stock.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hf_paged.models.recurrent.conv_window import causal_conv
 from hf_paged.models.recurrent.padded import PaddedLayout, PaddedMixer, initial_states
 from hf_paged.models.recurrent.ssd import ssd_chunked, ssd_step
 
+_INF = float("inf")
 # the HF classes this mixer serves
 HF_CLASSES = (
     "Mamba2Mixer",
@@ -64,8 +66,12 @@ class Mamba2Mixer(PaddedMixer):
         )
         self.kernel = m.conv1d.weight.shape[-1]
         self.chunk = m.chunk_size
-        low, high = getattr(m, "time_step_limit", None) or (0.0, float("inf"))
-        self.dt_limit = (float(low), float(high))
+        limit = tuple(float(v) for v in getattr(m, "time_step_limit", None) or (0.0, _INF))
+        if limit != (0.0, _INF):
+            raise ValueError(
+                f"time_step_limit={limit} is not allowed: stock clamps dt to it in the prompt's "
+                "forward but not in its decode steps; allowed: (0.0, inf)"
+            )
         # Falcon-H1: muP multipliers around in_proj; its gated norm is optional
         self.in_multiplier = getattr(m, "ssm_in_multiplier", None)
         self.gated_norm = getattr(m, "mamba_rms_norm", True)
@@ -105,7 +111,7 @@ class Mamba2Mixer(PaddedMixer):
         n, length = layout.valid.shape
         x = x.reshape(n, length, heads, p)
         b, c = b.reshape(n, length, g, s), c.reshape(n, length, g, s)
-        dt = F.softplus(layout.pack(dt).float() + m.dt_bias.float()).clamp(*self.dt_limit)
+        dt = F.softplus(layout.pack(dt).float() + m.dt_bias.float())
         dt = dt * layout.valid[..., None]  # [N, L, H]: the state holds past a chunk's end
         a = -torch.exp(m.A_log.float())  # [H]
         h0 = initial_states(states["recurrent"], meta)

@@ -27,7 +27,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 def ssd_chunked(
     x: torch.Tensor,  # [N, L, H, P]
-    dt: torch.Tensor,  # [N, L, H] fp32 after softplus/clamp; 0 past each chunk's end
+    dt: torch.Tensor,  # [N, L, H] fp32 after softplus; 0 past each chunk's end
     a: torch.Tensor,  # [H] fp32, -exp(A_log)
     b: torch.Tensor,  # [N, L, G, S]
     c: torch.Tensor,  # [N, L, G, S]

@@ -76,3 +76,20 @@ def test_ssd_chunked_equals_steps(chunk):
 def test_refuses_other_modules():
     with pytest.raises(ValueError, match="not a Mamba 2 mixer"):
         Mamba2Mixer.from_hf(torch.nn.Linear(4, 4))
+
+
+def test_time_step_limit_runs_stock_by_name():
+    """Stock clamps ``dt`` to ``time_step_limit`` for the prompt but not in its decode steps:
+    a non-default limit would change the engine's tokens, so the call runs stock, named."""
+    from hf_paged import release
+    from hf_paged.testing import build_tiny, stock_and_paged
+
+    _, hf = build_tiny("mamba2", time_step_limit=(0.01, 0.5))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    stock, paged, _, _, msgs = stock_and_paged(
+        hf, expect_fallback=True, input_ids=ids, attention_mask=torch.ones_like(ids),
+        max_new_tokens=6, do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    release(hf)
+    assert any("time_step_limit=(0.01, 0.5) is not allowed" in m for m in msgs), msgs
+    assert torch.equal(stock, paged)
