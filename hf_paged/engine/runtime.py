@@ -78,14 +78,17 @@ def _served_config(model):
     ``quantization_config`` when its weights are plain (dequantized by transformers at load,
     or a config that names FP8 over plain weights)."""
     from hf_paged.layers.quantization import fp8_config_of
-    from hf_paged.layers.quantization.fp8_config import UnsupportedQuantizationError
+    from hf_paged.layers.quantization.fp8_config import (
+        UnsupportedQuantizationError,
+        with_plain_modules,
+    )
 
     config = model.config
     if getattr(config, "quantization_config", None) is None:
         return config
     try:
         if fp8_config_of(model) is not None:
-            return config
+            return with_plain_modules(model)  # FP8Linear modules left plain stay plain
     except UnsupportedQuantizationError:
         return config  # refused by check_servable, naming why
     plain = copy.deepcopy(config)

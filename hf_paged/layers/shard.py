@@ -34,7 +34,7 @@ def read_shard(loaded: Any, dim: int | None = None, start: int = 0, size: int = 
     Works for tensors (returns a view) and safetensors slices (reads only that range).
     """
     if dim is None:
-        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+        return loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # 0-dim too
     if dim == 0:
         return loaded[start : start + size]
     if dim == 1:

@@ -35,10 +35,15 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from hf_paged.layers.quantization.fp8_config import fp8_config_of, layer_quant
+from hf_paged.layers.quantization.fp8_config import (
+    UnsupportedQuantizationError,
+    fp8_config_of,
+    layer_quant,
+)
 from hf_paged.layers.quantization.fp8_linear import input_group
 from hf_paged.layers.rotary import RotaryEmbedding
 from hf_paged.models import loader
+from hf_paged.refusal import Refusal
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,45 @@ def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
+
+
+def fp8_layout_problem(hf_config) -> str | None:
+    """Why the fused native layers cannot hold this FP8 checkpoint on one rank, or None: an FP8
+    output head (ours is plain), fused modules partly FP8, or a block scale spanning two fused
+    shards (a shard before the last not a multiple of ``weight_block_size[0]`` rows). HF's
+    unfused modules hold all of these: the generic path serves them."""
+    try:
+        quant = fp8_config_of(hf_config)
+    except UnsupportedQuantizationError:
+        return None  # not served at all: the quantization check names why
+    if quant is None:
+        return None
+    tied = getattr(hf_config, "tie_word_embeddings", False)  # a tied head is plain (stock too)
+    if quant.converts("lm_head") and not tied:
+        return "the checkpoint's output head lm_head is FP8; the native output head is plain"
+    head_dim, kv = head_dim_of(hf_config), hf_config.num_key_value_heads
+    inter = hf_config.intermediate_size
+    fused = {
+        "self_attn": (("q_proj", "k_proj", "v_proj"),
+                      (hf_config.num_attention_heads * head_dim, kv * head_dim, kv * head_dim)),
+        "mlp": (("gate_proj", "up_proj"), (inter, inter)),
+    }  # fmt: skip
+    for i in range(hf_config.num_hidden_layers):
+        for module, (names, rows) in fused.items():
+            full = [f"model.layers.{i}.{module}.{n}" for n in names]
+            try:
+                layer = layer_quant(quant, full)
+            except UnsupportedQuantizationError as e:
+                return str(e)
+            if layer is not None and layer.block is not None:
+                bn = layer.block[0]
+                if any(r % bn for r in rows[:-1]):
+                    return (
+                        f"the fused modules {list(names)} have {list(rows)} rows: a shard before "
+                        f"the last is not a multiple of weight_block_size[0]={bn}, so one FP8 "
+                        "scale block would span two of them"
+                    )
+    return None
 
 
 def windows_from_layer_types(hf_config) -> tuple[int | None, ...]:
@@ -243,6 +287,13 @@ class LlamaForCausalLM(nn.Module):
             KVCacheSpec(a.num_kv_heads, a.head_dim, a.head_dim, a.attn.spec.sliding_window)
             for a in attn
         ]
+
+    @staticmethod
+    def unsupported_reason(hf_config) -> Refusal | None:
+        """Why the native decoder refuses ``hf_config`` before building it (``model_impl="auto"``
+        then takes the generic path), or None."""
+        why = fp8_layout_problem(hf_config)
+        return None if why is None else Refusal("fp8_layout", why)
 
     @classmethod
     def decoder_options(cls, hf_config) -> DecoderOptions:

@@ -25,7 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_paged.layers.quantization.fp8_config import SCALE_NAMES, plain_fp8_modules
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this non-persistent buffer
+# a tied head's tensors some checkpoints still store (FP8: its scales, which stock leaves unused)
+_TIED_HEAD = {f"lm_head.{n}" for n in ("weight", *SCALE_NAMES)}
 
 
 class _Router:
@@ -52,7 +56,7 @@ class _Router:
         """``(param_name, shard_id)``, or None for names that are skipped or unexpected."""
         if hf_name.endswith(_IGNORED_SUFFIXES):
             return None
-        if self.tied and hf_name == "lm_head.weight":  # some tied checkpoints still store it
+        if self.tied and hf_name in _TIED_HEAD:
             return None
         for hf_module, (packed, shard_id) in self.mapping.items():
             if f".{hf_module}." in hf_name:
@@ -161,10 +165,19 @@ def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
         items = peft.merged_weights(hf_model)
     else:
         items = hf_model.named_parameters()
+    unused = _unused_fp8_scales(peft.unwrap(hf_model))
     for name, tensor in items:
+        if name in unused:
+            continue
         if tensor.device.type == "meta":
             raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
         yield name, tensor
+
+
+def _unused_fp8_scales(hf_model: nn.Module) -> set[str]:
+    """FP8 scales of modules whose weight is plain (a tied head, or a weight transformers'
+    quantizer could not block): its ``FP8Linear`` computes with such a weight plainly."""
+    return {f"{m}.{s}" for m in plain_fp8_modules(hf_model) for s in SCALE_NAMES}
 
 
 def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> None:

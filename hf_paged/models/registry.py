@@ -4,7 +4,7 @@ Two paths implement ``hf_paged.models.protocol.PagedModel``: the native decoders
 below by architecture) and the generic path over HF's own modules (``GENERIC``). Registries are
 lazy, ``"Arch": ("module", "Class")`` like the attention registry: a model module is imported
 only when chosen. ``model_impl`` picks the path: "native", "generic", or "auto" (native when the
-architecture has a native class, else generic).
+architecture has a native class that does not refuse the config, else generic).
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def resolve_model_class(hf_config, model_impl: str = "auto") -> type:
     Raises:
         ValueError: ``model_impl`` not one of ``MODEL_IMPLS``; "native" for an architecture
             without a native class; "generic" (or "auto" without a native class) while the
-            generic path is not available. Each message names the reason.
+            generic path is not available. Each message names the reason. "auto" takes the
+            generic path also where the native class's ``unsupported_reason`` refuses the
+            config (e.g. an FP8 layout its fused layers can't hold).
     """
     if model_impl not in MODEL_IMPLS:
         raise ValueError(
@@ -105,9 +107,20 @@ def resolve_model_class(hf_config, model_impl: str = "auto") -> type:
     if model_impl == "generic":
         return _generic_class("model_impl='generic' was asked for")
     arch, what = _native_name(hf_config)
-    if arch is not None or model_impl == "native":
+    if model_impl == "native":
         return get_model_class(hf_config)
-    return _generic_class(f"{what} has no native implementation, so model_impl='auto' needs it")
+    if arch is None:
+        why = f"{what} has no native implementation, so model_impl='auto' needs it"
+        return _generic_class(why)
+    native = get_model_class(hf_config)
+    check = getattr(native, "unsupported_reason", None)
+    refusal = check(hf_config) if check is not None else None
+    if refusal is None:
+        return native
+    try:  # e.g. an FP8 layout the fused native layers can't hold: HF's own modules can
+        return _generic_class(f"the native {arch} refuses it: {refusal}")
+    except ValueError:
+        return native  # its refusal names why
 
 
 def is_supported(hf_config, model_impl: str = "auto") -> bool:

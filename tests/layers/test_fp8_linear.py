@@ -152,6 +152,19 @@ def test_w8a8_reference_is_the_kernel_reference_of_the_quantized_input(block):
     assert torch.allclose(w8a8_linear_ref(x, w, s, block), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [(32, 64), (16, 80)])
+def test_w8a8_reference_with_a_partial_last_activation_group(block):
+    """K = 96 is not a multiple of the group (64 + 32, 80 + 16): the last group's scale covers
+    only its own columns, so the group can't be read off K / number of groups."""
+    w, s = _weights(48, 96, block)
+    x = torch.randn(5, 96)
+    x_q, x_s = per_token_group_quant_ref(x, block[1])
+    want = w8a8_matmul_ref(x_q, x_s, w, s, block, torch.float32)
+    assert torch.allclose(w8a8_linear_ref(x, w, s, block), want, rtol=1e-6, atol=1e-6)
+    pre = Fp8Activation(x_q, x_s, block[1], torch.float32)
+    assert (pre.dequantize() - x).abs().max() <= x.abs().max() / 16  # FP8 rounding only
+
+
 def test_fp8_linear_w8a8_ref_path_and_prequantized_input(fp8_gemm_env):
     block = (32, 32)
     w, s = _weights(64, 96, block)

@@ -191,3 +191,127 @@ def test_checkpoint_with_plain_weights_under_an_fp8_config_is_refused(plain, tmp
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="float32 but the quantization_config makes this layer"):
         LLM(str(tmp_path), **ENGINE)
+
+
+def _dequantized_hf(path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).eval()
+
+
+def test_per_tensor_static_finegrained_checkpoint(plain, tmp_path):
+    """transformers' per-tensor format (``weight_block_size`` null, static activations): its
+    ``[1, 1]`` weight scales and 0-dim ``activation_scale`` tensors load natively."""
+    model = load_finegrained_fp8(plain["llama"], None, dtype=torch.float32,
+                                 activation_scheme="static")  # fmt: skip
+    with torch.no_grad():  # transformers' quantizer leaves them unset
+        for name, p in model.named_parameters():
+            if name.endswith("activation_scale"):
+                p.fill_(0.05)
+    model.save_pretrained(tmp_path)
+    got = check_against(str(tmp_path), _dequantized_hf(tmp_path), "native")
+    assert any(n.endswith("qkv_proj.activation_scale") for n in got["dtypes"])
+
+
+def _save_blocks(plain_path: str, dst, block: tuple[int, int]) -> torch.nn.Module:
+    """A fine-grained FP8 checkpoint whose blocks need not divide the weights (the last block of
+    a dimension partial, scales ``[ceil(N / bn), ceil(K / bk)]``), as DeepSeek's are written;
+    returns the stock model holding the dequantized weights."""
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(plain_path, dtype=torch.float32).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    bn, bk = block
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or name == "lm_head":
+            continue
+        w = module.weight.data
+        n, k = w.shape
+        amax = torch.nn.functional.pad(w.abs(), (0, -k % bk, 0, -n % bn))
+        amax = amax.view(-(-n // bn), bn, -(-k // bk), bk).amax(dim=(1, 3))
+        scale = amax / 448.0
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = q, scale
+        w.copy_(q.float() * full)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": list(block),
+                                        "activation_scheme": "dynamic"}  # fmt: skip
+    model.config.save_pretrained(dst)
+    del model.config.quantization_config
+    return model
+
+
+@pytest.mark.parametrize("case", ["block_spans_shards", "partly_fp8", "fp8_head"])
+def test_checkpoints_the_fused_native_layers_cannot_hold_take_the_generic_path(
+    plain, tmp_path, case
+):
+    """A block spanning two fused shards (64-row blocks over 32-row k and v), fused modules
+    partly left plain, an FP8 output head: the native decoder refuses them by name and
+    ``model_impl="auto"`` serves them through HF's unfused modules, with stock's outputs."""
+    if case == "block_spans_shards":
+        ref = _save_blocks(plain["llama"], tmp_path, (64, 64))
+    else:
+        skip = ["lm_head", "k_proj"] if case == "partly_fp8" else []
+        load_finegrained_fp8(plain["llama"], BLOCK, dtype=torch.float32,
+                             modules_to_not_convert=skip).save_pretrained(tmp_path)  # fmt: skip
+        ref = _dequantized_hf(tmp_path)
+    got = check_against(str(tmp_path), ref, "auto")
+    assert any(n.endswith("self_attn.q_proj.weight") for n in got["dtypes"])  # unfused: generic
+    if case == "block_spans_shards":
+        with pytest.raises(ValueError, match=r"weight_block_size\[0\]=64.*model_impl='generic'"):
+            LLM(str(tmp_path), model_impl="native", **ENGINE)
+
+
+def _stock_semantics(model) -> torch.nn.Module:
+    """A plain copy of an in-memory transformers FP8 model computing what its ``FP8Linear``
+    modules compute: float8 weights dequantized, plain ones (left unquantized, or tied to the
+    embeddings) as they are."""
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    del config.quantization_config
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = {}
+    for name, module in model.named_modules():
+        w = module._parameters.get("weight")
+        if w is not None and w.dtype == torch.float8_e4m3fn:
+            w = dequantize_ref(w, module.weight_scale_inv, module.block_size, torch.float32)
+        if w is not None:
+            state[f"{name}.weight"] = w
+    state.update({n: p for n, p in model.named_parameters() if n.endswith("bias")})
+    ref.load_state_dict(state, strict=False)
+    ref.tie_weights()
+    return ref
+
+
+@pytest.mark.parametrize("family,block,skip", [("llama", (64, 64), None), ("qwen3", BLOCK, [])],
+                         ids=["unquantized_kv", "tied_fp8_head"])  # fmt: skip
+def test_in_memory_fp8_linears_holding_plain_weights(plain, family, block, skip):
+    """transformers' quantizer leaves a weight its blocks do not divide (k/v: 32 rows, blocks of
+    64) unquantized in its ``FP8Linear``, and a head tied to the embeddings holds the plain
+    table: those compute plainly, scales unused; ``generate(backend="paged")`` matches."""
+    hf_paged.install()
+    kw = {} if skip is None else {"modules_to_not_convert": skip}
+    model = load_finegrained_fp8(plain[family], block, dtype=torch.float32, **kw)
+    assert any(m.weight.dtype == torch.float32 for m in model.modules()
+               if type(m).__name__ == "FP8Linear")  # fmt: skip
+    ids = torch.tensor([[5, 9, 33, 7, 250, 12], [0, 0, 41, 42, 43, 44]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                  pad_token_id=0)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PagedFallbackWarning)
+        paged = model.generate(**kwargs, backend="paged", paged_config=dict(ENGINE))
+    with torch.no_grad():
+        stock = _stock_semantics(model).generate(**kwargs)
+    assert torch.equal(paged, stock)
+
+
+def test_tied_checkpoint_with_an_fp8_head_config(plain, tmp_path):
+    """``modules_to_not_convert=[]`` on a model with tied embeddings: the checkpoint stores the
+    head's scale but no head weight; the head is the plain embedding table (stock, which
+    dequantizes on CPU, computes it so) and the native path serves it."""
+    load_finegrained_fp8(plain["qwen3"], BLOCK, dtype=torch.float32,
+                         modules_to_not_convert=[]).save_pretrained(tmp_path)  # fmt: skip
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    got = check_against(str(tmp_path), stock, "auto")
+    assert any(n.endswith("qkv_proj.weight") for n in got["dtypes"])  # native

@@ -55,11 +55,11 @@ def per_token_group_quant_ref(
     return q.to(FP8_DTYPE), scale
 
 
-def dequantize_activation_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in fp32, the ``[M, G]`` group scales broadcast over their columns."""
-    m, k = q.shape
-    group = -(-k // scale.shape[1])
-    return q.float() * scale.float().repeat_interleave(group, dim=1)[:, :k]
+def dequantize_activation_ref(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """``q * scale`` in fp32, the ``[M, ceil(K / group)]`` scales broadcast over their groups
+    of ``group`` columns (the last group may be shorter, so ``K / G`` does not give it)."""
+    k = q.shape[1]
+    return q.float() * scale.float().repeat_interleave(min(group, k), dim=1)[:, :k]
 
 
 def static_quant_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -41,4 +41,4 @@ class Fp8Activation:
 
     def dequantize(self) -> torch.Tensor:  # [T, K] in ``dtype``
         """``q * scale`` (what the producer's output was, up to FP8 rounding)."""
-        return dequantize_activation_ref(self.q, self.scale).to(self.dtype)
+        return dequantize_activation_ref(self.q, self.scale, self.group).to(self.dtype)

@@ -282,6 +282,41 @@ def layer_quant(config: Fp8Config | None, hf_names: list[str]) -> Fp8Config | No
 SCALE_NAMES = ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale")
 
 
+def plain_fp8_modules(model) -> list[str]:
+    """Modules of an in-memory model holding FP8 weight scales over a plain weight (a weight
+    transformers' quantizer's blocks do not divide, left unquantized; a head tied to the
+    embeddings): its ``FP8Linear`` computes plainly with such a weight, the scales unused."""
+    names = []
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        scaled = any(s in module._parameters for s in ("weight_scale_inv", "weight_scale"))
+        if scaled and weight is not None and not _is_fp8(weight):
+            names.append(name)
+    return names
+
+
+def with_plain_modules(model):
+    """The config the engine builds an in-memory FP8 model from: its own, with the modules
+    :func:`plain_fp8_modules` finds added to the skip list (``modules_to_not_convert``, or
+    ``ignore`` for compressed-tensors), so they are built and loaded as plain linears."""
+    import copy
+
+    names = plain_fp8_modules(model)
+    if not names:
+        return model.config
+    qc = dict(quantization_dict(model))
+    if method_of(qc) == "fp8":
+        key = "modules_to_not_convert"
+        quantizer = getattr(model, "hf_quantizer", None)  # the skip list it resolved
+        base = getattr(quantizer, "modules_to_not_convert", None) or qc.get(key) or ["lm_head"]
+    else:
+        key, base = "ignore", qc.get("ignore") or []
+    qc[key] = list(base) + names
+    config = copy.deepcopy(model.config)
+    config.quantization_config = qc
+    return config
+
+
 def fp8_param_names(model) -> set[str]:
     """Names of an in-memory model's float8 weights and their scales (their dtypes are not the
     model's compute dtype)."""

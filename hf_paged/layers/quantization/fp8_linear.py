@@ -30,6 +30,7 @@ transformers runs on such devices (it dequantizes the checkpoint at load).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -72,10 +73,15 @@ def _check_block_split(layer, block: tuple[int, int]) -> None:
                 continue
             if s.size % bn or s.dst % bn or s.src % bn:
                 what = "" if sid is None else f" shard {sid!r}"
+                hint = (
+                    "use another tensor_parallel_size"
+                    if layer.tp_size > 1
+                    else "model_impl='generic' (or 'auto') serves it in HF's unfused modules"
+                )
                 raise ValueError(
                     f"{name}{what}: {s.size} rows per rank (from row {s.src} of {s.full}) is not "
                     f"a multiple of weight_block_size[0]={bn}: the split would cut an FP8 scale "
-                    "block; use another tensor_parallel_size"
+                    f"block; {hint}"
                 )
     elif layer.tp_size > 1 and layer.input_size % bk:
         raise ValueError(
@@ -126,7 +132,7 @@ class Fp8LinearMethod:
         s = layer.shard_slice(shard_id)
         shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else loaded.get_shape()
         if self.config.block is None:
-            if len(shape) == 0 or tuple(shape) == (1,):  # per tensor: fill this shard's rows
+            if math.prod(shape) == 1:  # per tensor ([], [1], [1, 1]): fill this shard's rows
                 value = read_shard(loaded).reshape(()).float()
                 rows = param.data if s.dim != 0 else param.data.narrow(0, s.dst, s.size)
                 rows.fill_(value.item())

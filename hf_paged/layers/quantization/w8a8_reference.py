@@ -33,8 +33,9 @@ def fake_quant(
     """The FP8 round trip of ``x`` as the FP8 linear layers quantize it (fp32)."""
     if input_scale is not None:
         return static_quant_ref(x, input_scale).float() * input_scale.float()
-    q, s = per_token_group_quant_ref(x, group or x.shape[-1])
-    return dequantize_activation_ref(q, s)
+    group = group or x.shape[-1]
+    q, s = per_token_group_quant_ref(x, group)
+    return dequantize_activation_ref(q, s, group)
 
 
 def w8a8_linear_ref(

@@ -53,7 +53,7 @@ class Fp8Linear(nn.Linear):
         cfg = self.fp8_config
         out = self.weight.shape[0]  # this rank's rows (``out_features`` is the full count)
         scale = getattr(self, cfg.scale_name)
-        if cfg.block is None and scale.dim() < 2:  # a per-tensor checkpoint scale: every row
+        if cfg.block is None and scale.numel() == 1:  # per tensor ([], [1], [1, 1]): every row
             scale = scale.reshape(1, 1).expand(out, 1)
         inp = getattr(self, cfg.input_scale_name) if cfg.input_scale_name else None
         y = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, scale, cfg.block, inp, self.bias)
@@ -74,6 +74,19 @@ def _skip_list(model: nn.Module, config: Fp8Config) -> list[str] | None:
     return skip + list(getattr(model, "_keep_in_fp32_modules", None) or [])
 
 
+def _tied_head(model: nn.Module) -> nn.Module | None:
+    """The output head when it shares the input embeddings' weight, else None. A tied head is
+    the plain embedding table whatever the quantization config says: transformers' FP8Linear
+    then holds that table and computes with it unscaled."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    embed = get_in() if callable(get_in) else None
+    if head is None or embed is None:
+        return None
+    return head if getattr(head, "weight", None) is getattr(embed, "weight", 0) else None
+
+
 def install_fp8_linears(model: nn.Module, config: Fp8Config | None) -> int:
     """Swap the quantized ``nn.Linear`` modules of a meta-built HF model for
     :class:`Fp8Linear`; returns how many. ``config`` None: nothing to do."""
@@ -88,9 +101,10 @@ def install_fp8_linears(model: nn.Module, config: Fp8Config | None) -> int:
     else:
         converts = config.converts
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tied = _tied_head(model)
     swapped = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not converts(name):
+        if type(module) is not nn.Linear or module is tied or not converts(name):
             continue
         new = Fp8Linear(module.in_features, module.out_features, module.bias is not None, config,
                         dtype)  # fmt: skip
