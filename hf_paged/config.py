@@ -220,9 +220,11 @@ class SamplingParams:
             requests step synchronously.
         ignore_eos: do not stop at EOS ids (``stop_token_ids`` still stop).
         seed: per-request seed; the same seed gives the same tokens whatever the batch.
-        logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
+        logprobs: None = none; k >= 0 = the sampled token's logprob and the top k (a k past
+            the vocabulary gives all of it).
         prompt_logprobs: None = none; k >= 0 = per prompt token, its logprob under the model
-            given the tokens before it and the top k (``RequestOutput.prompt_logprobs``).
+            given the tokens before it and the top k, as ``logprobs``
+            (``RequestOutput.prompt_logprobs``).
         prompt_logprobs_next: also score this token id as the one after the prompt (from the
             last prompt position's logits; hf_paged's extension): lm-eval's loglikelihood scores
             a continuation's last token without a position of its own. Needs prompt_logprobs;
