@@ -6,6 +6,7 @@ import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -142,16 +143,19 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    """A list of prompts: one string or one id sequence (list or 1-D tensor) becomes a list of one;
-    a 2-D tensor is one prompt per row."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() == 1:
+    """A list of prompts: one string or one id sequence (list, 1-D tensor or numpy array)
+    becomes a list of one; a 2-D tensor or array is one prompt per row, as is a numpy array of
+    arrays (what a ragged column gives)."""
+    if isinstance(prompts, np.ndarray) and prompts.dtype == object:
+        return list(prompts)
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim == 1:
             return [prompts.tolist()]
-        if prompts.dim() == 2:
+        if prompts.ndim == 2:
             return prompts.tolist()
         raise ValueError(
-            f"prompts=<tensor of shape {tuple(prompts.shape)}> is not allowed: give a 1-D tensor "
-            "of token ids (one prompt) or a 2-D tensor (one prompt per row)"
+            f"prompts=<{type(prompts).__name__} of shape {tuple(prompts.shape)}> is not allowed: "
+            "give a 1-D tensor of token ids (one prompt) or a 2-D tensor (one prompt per row)"
         )
     if isinstance(prompts, str) or (
         isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)
