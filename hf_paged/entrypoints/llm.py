@@ -153,8 +153,9 @@ def _as_prompt_list(prompts) -> list:
             return [prompts.tolist()]
         if prompts.ndim == 2:
             return prompts.tolist()
+        kind = "tensor" if isinstance(prompts, torch.Tensor) else "array"
         raise ValueError(
-            f"prompts=<{type(prompts).__name__} of shape {tuple(prompts.shape)}> is not allowed: "
+            f"prompts=<{kind} of shape {tuple(prompts.shape)}> is not allowed: "
             "give a 1-D tensor of token ids (one prompt) or a 2-D tensor (one prompt per row)"
         )
     if isinstance(prompts, str) or (
