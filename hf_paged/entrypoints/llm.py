@@ -37,6 +37,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, **engine_kwargs):
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
+        self._closed = False
         if isinstance(model, torch.nn.Module):
             # an in-memory model: rebuilt when its weights change (fused copies would be stale);
             # once the caller drops the model, the engine keeps what it was built with
@@ -52,7 +53,16 @@ class LLM:
 
     @property
     def engine(self) -> LLMEngine:
+        """The engine. Raises RuntimeError once ``close`` ran."""
+        self._check_open()
         return self._owner.engine
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this LLM is closed (close() or its with-block ended) and is not allowed to run "
+                "again: build a new LLM"
+            )
 
     @property
     def tokenizer(self):
@@ -89,7 +99,9 @@ class LLM:
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
                 then, and the engine stays usable.
+            RuntimeError: the LLM is closed.
         """
+        self._check_open()
         with self._owner.hold() as held:
             held.get()  # rebuilt first when an in-memory model's weights changed
             return self._generate(prompts, sampling_params, use_tqdm, proposer)
@@ -133,6 +145,9 @@ class LLM:
         return self.engine.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
+        """Free the engine (KV cache, CUDA graphs, weights); the LLM can't run after it.
+        Idempotent."""
+        self._closed = True
         self._owner.close()
 
     def __enter__(self):

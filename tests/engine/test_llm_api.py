@@ -206,3 +206,16 @@ def test_eos_stops(tmp_path):
         ignored = llm.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0]
         assert ignored.token_ids == base
     assert torch.get_default_dtype() == torch.float32  # nothing global left changed
+
+
+def test_a_closed_llm_says_so(tmp_path):
+    """generate / engine / stats after close() raise a RuntimeError naming it (they raised
+    AttributeError: 'NoneType' object has no attribute 'tokenizer'); close is idempotent."""
+    path = save_demo_model(str(tmp_path / "m"))
+    llm = LLM(path, max_model_len=32, num_kv_blocks=8, kv_block_size=8)
+    assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].token_ids) == 8
+    llm.close()
+    llm.close()
+    for use in (lambda: llm.generate(["ab"], GREEDY, use_tqdm=False), lambda: llm.stats):
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            use()
