@@ -128,7 +128,12 @@ class PagedGenerateMap:
         self._token = uuid.uuid4().hex  # what dataset fingerprinting sees instead of the model
 
     def __call__(self, batch: dict) -> dict:
-        names = list(getattr(batch, "column_names", None) or batch.keys())  # pyarrow: no keys()
+        if not hasattr(batch, "keys") and not hasattr(batch, "column_names"):  # pyarrow: no keys
+            raise TypeError(
+                f"batch={type(batch).__name__} is not allowed: this function takes the batch's "
+                "columns by name (a dict); call ds.map(fn, **fn.map_kwargs) without input_columns"
+            )
+        names = list(getattr(batch, "column_names", None) or batch.keys())
         if self.column not in names:
             raise ValueError(
                 f"column={self.column!r} is not allowed: the dataset's columns are {sorted(names)}"

@@ -60,11 +60,13 @@ def test_every_format_gives_each_row_its_stock_text(served, fmt, column):
     assert list(out) == [stock_new_text(model, tok, r, **GREEDY) for r in rows]
 
 
-def test_unbatched_formatted_row_still_says_batched(served):
+def test_unbatched_formatted_row_or_input_columns_say_how_to_call(served):
     fn = served[3]
     ds = datasets.Dataset.from_dict({"p": COLUMNS["ids"]}).with_format("numpy")
     with pytest.raises(ValueError, match=r"one row, not a batch.*batched=True"):
         ds.map(fn)
+    with pytest.raises(TypeError, match=r"batch=list is not allowed.*without input_columns"):
+        ds.with_format(None).map(fn, input_columns="p", **fn.map_kwargs)  # was AttributeError
 
 
 def test_stop_strings_get_the_tokenizer(served):
