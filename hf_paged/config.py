@@ -33,6 +33,14 @@ def _check_int(name: str, value: Any, lo: int | None = None, allow_none: bool = 
         raise _bad(name, value, f"an int >= {lo}")
 
 
+def _check_seed(name: str, value: Any, num_streams: int, allow_none: bool = False) -> None:
+    """A seed for ``num_streams`` generators seeded ``value``, ``value + 1``, ...: each must be
+    what ``torch.Generator.manual_seed`` takes, [-2**63, 2**64 - 1]."""
+    _check_int(name, value, allow_none=allow_none)
+    if value is not None and not -(2**63) <= value <= 2**64 - num_streams:
+        raise _bad(name, value, f"an int in [-2**63, 2**64 - {num_streams}]")
+
+
 def _check_float(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, value, "a number")
@@ -159,7 +167,7 @@ class EngineConfig:
             _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
                          lo_open=True)  # fmt: skip
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("seed", self.seed)
+        _check_seed("seed", self.seed, 2)  # the sampler's generator and the proposers' (+1)
         if not isinstance(self.enforce_eager, bool):
             raise _bad("enforce_eager", self.enforce_eager, "a bool")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -220,9 +228,11 @@ class SamplingParams:
             requests step synchronously.
         ignore_eos: do not stop at EOS ids (``stop_token_ids`` still stop).
         seed: per-request seed; the same seed gives the same tokens whatever the batch.
-        logprobs: None = none; k >= 0 = the sampled token's logprob and the top k.
+        logprobs: None = none; k >= 0 = the sampled token's logprob and the top k (a k past
+            the vocabulary gives all of it).
         prompt_logprobs: None = none; k >= 0 = per prompt token, its logprob under the model
-            given the tokens before it and the top k (``RequestOutput.prompt_logprobs``).
+            given the tokens before it and the top k, as ``logprobs``
+            (``RequestOutput.prompt_logprobs``).
         prompt_logprobs_next: also score this token id as the one after the prompt (from the
             last prompt position's logits; hf_paged's extension): lm-eval's loglikelihood scores
             a continuation's last token without a position of its own. Needs prompt_logprobs;
@@ -263,7 +273,7 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
-        _check_int("seed", self.seed, allow_none=True)
+        _check_seed("seed", self.seed, self.n, allow_none=True)  # seed + i for completion i
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 1)

@@ -1,4 +1,5 @@
-"""EngineConfig / SamplingParams: an unknown key raises TypeError with the nearest valid key."""
+"""EngineConfig / SamplingParams: an unknown key raises TypeError with the nearest valid key;
+seeds must be what torch's generators take."""
 
 from __future__ import annotations
 
@@ -56,3 +57,14 @@ def test_valid_keys_and_positional_still_work():
     assert EngineConfig.from_dict({"seed": 5}, max_num_seqs=2) == EngineConfig(
         seed=5, max_num_seqs=2
     )
+
+
+@pytest.mark.parametrize("seed, n", [(2**64, 1), (2**64 - 1, 2), (-(2**63) - 1, 1)])
+def test_sampling_params_refuse_seeds_torch_can_not_take(seed, n):
+    """Each completion's generator is seeded ``seed + i``: all must be in torch's range (the
+    engine raised 'Overflow when unpacking long long' from a step, the request left behind)."""
+    with pytest.raises(ValueError, match=rf"seed={seed} is not allowed: .*\[-2\*\*63, 2\*\*64 - {n}\]"):  # fmt: skip
+        SamplingParams(seed=seed, n=n)
+    assert SamplingParams(seed=2**64 - n, n=n).seed == 2**64 - n
+    with pytest.raises(ValueError, match=r"seed=18446744073709551615 is not allowed"):
+        EngineConfig(seed=2**64 - 1)  # the proposers' generator takes seed + 1

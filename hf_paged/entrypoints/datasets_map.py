@@ -22,7 +22,8 @@ Generate options the engine cannot sample itself (user logits processors or stop
 a streamer, ...) make the whole map batch one left-padded ``generate(backend="paged")`` call
 instead: then a row gets what stock batched ``generate`` gives it in that padded batch.
 
-Keep ``num_proc`` unset: the function holds an engine, which can't be sent to other processes.
+Keep ``num_proc`` unset: the function holds an engine, which can't be sent to other processes
+(``Dataset.map(num_proc=...)`` raises a RuntimeError saying so).
 Dataset caching sees a new function each time ``paged_generate_map`` is called (the model is not
 hashed).
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import uuid
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -61,12 +63,14 @@ def paged_generate_map(
             ``PagedModelForCausalLM``, or a loaded HF causal LM (its dispatcher engine is used).
         tokenizer: defaults to the one saved beside the checkpoint (a path only).
         column: input column: strings, chats (lists of ``{"role", "content"}`` dicts; the chat
-            template is applied with a generation prompt) or lists of token ids.
+            template is applied with a generation prompt) or lists of token ids, in any
+            ``Dataset.with_format`` (python, numpy, torch, arrow, pandas).
         output_column: column the decoded new text goes to.
         batch_size: rows per map batch, i.e. per engine run; ``fn.map_kwargs`` holds it.
         paged_config: EngineConfig keys for the engine (a path or a loaded model).
         use_tqdm: a progress bar over each map batch's generated tokens (on a terminal only).
-        **generate_kwargs: ``generate`` options (``max_new_tokens``, ``do_sample`` ...).
+        **generate_kwargs: ``generate`` options (``max_new_tokens``, ``do_sample`` ...);
+            ``generate`` also gets ``tokenizer`` (stop strings need it).
 
     Raises:
         ValueError / TypeError: a bad argument (named in the message).
@@ -118,16 +122,23 @@ class PagedGenerateMap:
         self.column = column
         self.output_column = output_column
         self.use_tqdm = use_tqdm
-        self.generate_kwargs = dict(generate_kwargs)
+        # stop strings need the tokenizer in generate; this function's own takes the name
+        self.generate_kwargs = {"tokenizer": tokenizer, **generate_kwargs}
         self.map_kwargs = {"batched": True, "batch_size": batch_size}
         self._token = uuid.uuid4().hex  # what dataset fingerprinting sees instead of the model
 
     def __call__(self, batch: dict) -> dict:
-        if self.column not in batch:
-            raise ValueError(
-                f"column={self.column!r} is not allowed: the dataset's columns are {sorted(batch)}"
+        if not hasattr(batch, "keys") and not hasattr(batch, "column_names"):  # pyarrow: no keys
+            raise TypeError(
+                f"batch={type(batch).__name__} is not allowed: this function takes the batch's "
+                "columns by name (a dict); call ds.map(fn, **fn.map_kwargs) without input_columns"
             )
-        rows = batch[self.column]
+        names = list(getattr(batch, "column_names", None) or batch.keys())
+        if self.column not in names:
+            raise ValueError(
+                f"column={self.column!r} is not allowed: the dataset's columns are {sorted(names)}"
+            )
+        rows = _as_list(batch[self.column])
         if not isinstance(rows, list) or (
             rows
             and (all(isinstance(r, int) for r in rows) or all(isinstance(r, dict) for r in rows))
@@ -147,6 +158,10 @@ class PagedGenerateMap:
         return {self.output_column: texts}
 
     def _encode(self, row, index: int) -> list[int]:
+        if _is_ids_array(row):  # a row of a column formatted as numpy or torch
+            row = row.tolist()
+        elif isinstance(row, np.ndarray) and row.dtype == object:  # a chat, formatted as numpy
+            row = list(row)
         if isinstance(row, str):
             return self.tokenizer(row)["input_ids"]
         if isinstance(row, list) and row and all(isinstance(m, dict) for m in row):
@@ -244,7 +259,30 @@ class PagedGenerateMap:
 
     def __reduce__(self):
         # datasets hashes the map function by pickling it: hash a token, never the model
-        return (_unpicklable, (self._token,))
+        return (_SentToAnotherProcess, (self._token,))
+
+
+def _is_ids_array(x) -> bool:
+    """A 1-D numpy array or torch tensor of integers."""
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 1 and not x.is_floating_point() and not x.is_complex()
+    return isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind in "iu"
+
+
+def _as_list(rows):
+    """A batch's column as a list of rows: ``Dataset.with_format`` gives a pyarrow array
+    ("arrow"), a pandas Series ("pandas"), a 2-D array of equal-length ids, a 1-D array of
+    strings or of ragged rows ("numpy"), or a list of 1-D tensors ("torch"). A 1-D array of ids
+    is one row: returned as it is."""
+    if hasattr(rows, "to_pylist"):  # pyarrow
+        return rows.to_pylist()
+    if type(rows).__name__ == "Series" and hasattr(rows, "tolist"):  # pandas
+        return rows.tolist()
+    if isinstance(rows, (np.ndarray, torch.Tensor)) and rows.ndim == 2:
+        return rows.tolist()
+    if isinstance(rows, np.ndarray) and rows.ndim == 1 and rows.dtype.kind in "OUS":
+        return [str(r) if isinstance(r, np.str_) else r for r in rows]
+    return rows
 
 
 def _generations_per_row(way: Native | External | Beams) -> int:
@@ -254,8 +292,16 @@ def _generations_per_row(way: Native | External | Beams) -> int:
     return way.call.generation_config.num_return_sequences
 
 
-def _unpicklable(token: str):
-    raise RuntimeError(
-        "a PagedGenerateMap can't be sent to another process (it holds an engine): "
-        "call Dataset.map without num_proc"
-    )
+class _SentToAnotherProcess:
+    """What a ``PagedGenerateMap`` becomes in another process: calling it raises. (Raising while
+    unpickling killed ``Dataset.map(num_proc=...)``'s workers, and the parent only said that a
+    subprocess died; an error raised by the call reaches the parent as it is.)"""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(
+            "a PagedGenerateMap can't be sent to another process (it holds an engine): "
+            "call Dataset.map without num_proc"
+        )

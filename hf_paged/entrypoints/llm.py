@@ -6,6 +6,7 @@ import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -36,6 +37,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, **engine_kwargs):
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
+        self._closed = False
         if isinstance(model, torch.nn.Module):
             # an in-memory model: rebuilt when its weights change (fused copies would be stale);
             # once the caller drops the model, the engine keeps what it was built with
@@ -51,7 +53,16 @@ class LLM:
 
     @property
     def engine(self) -> LLMEngine:
+        """The engine. Raises RuntimeError once ``close`` ran."""
+        self._check_open()
         return self._owner.engine
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this LLM is closed (close() or its with-block ended) and is not allowed to run "
+                "again: build a new LLM"
+            )
 
     @property
     def tokenizer(self):
@@ -88,7 +99,9 @@ class LLM:
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
                 then, and the engine stays usable.
+            RuntimeError: the LLM is closed.
         """
+        self._check_open()
         with self._owner.hold() as held:
             held.get()  # rebuilt first when an in-memory model's weights changed
             return self._generate(prompts, sampling_params, use_tqdm, proposer)
@@ -132,6 +145,9 @@ class LLM:
         return self.engine.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
+        """Free the engine (KV cache, CUDA graphs, weights); the LLM can't run after it.
+        Idempotent."""
+        self._closed = True
         self._owner.close()
 
     def __enter__(self):
@@ -142,16 +158,20 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    """A list of prompts: one string or one id sequence (list or 1-D tensor) becomes a list of one;
-    a 2-D tensor is one prompt per row."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() == 1:
+    """A list of prompts: one string or one id sequence (list, 1-D tensor or numpy array)
+    becomes a list of one; a 2-D tensor or array is one prompt per row, as is a numpy array of
+    arrays (what a ragged column gives)."""
+    if isinstance(prompts, np.ndarray) and prompts.dtype == object:
+        return list(prompts)
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim == 1:
             return [prompts.tolist()]
-        if prompts.dim() == 2:
+        if prompts.ndim == 2:
             return prompts.tolist()
+        kind = "tensor" if isinstance(prompts, torch.Tensor) else "array"
         raise ValueError(
-            f"prompts=<tensor of shape {tuple(prompts.shape)}> is not allowed: give a 1-D tensor "
-            "of token ids (one prompt) or a 2-D tensor (one prompt per row)"
+            f"prompts=<{kind} of shape {tuple(prompts.shape)}> is not allowed: "
+            "give a 1-D tensor of token ids (one prompt) or a 2-D tensor (one prompt per row)"
         )
     if isinstance(prompts, str) or (
         isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)

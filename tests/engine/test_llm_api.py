@@ -117,6 +117,20 @@ def test_numpy_and_tensor_prompts(llm):
     ref = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
     for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == ref
+        # one 1-D array alone is one prompt, as a 1-D tensor is (numpy ids were taken as prompts)
+        assert [o.token_ids for o in llm.generate(prompt, GREEDY, use_tqdm=False)] == [ref]
+    rows = [o.token_ids for o in llm.generate(np.array([[5, 6, 7], [5, 6, 7]]), GREEDY, use_tqdm=False)]  # fmt: skip
+    ragged = np.empty(2, dtype=object)  # a ragged column of ids
+    ragged[:] = [np.array([5, 6, 7]), np.array([5, 6, 7])]
+    assert rows == [o.token_ids for o in llm.generate(ragged, GREEDY, use_tqdm=False)] == [ref] * 2
+
+
+@pytest.mark.parametrize("prompt", [None, b"ab", {"prompt": "a"}, 5])
+def test_prompt_that_is_no_sequence_of_ids(llm, prompt):
+    with pytest.raises(TypeError, match=r"prompt_token_ids=.* is not allowed: must be a list"):
+        llm.generate([[4, 5], prompt], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    still_works(llm)
 
 
 def test_params_list_length(llm):
@@ -192,3 +206,16 @@ def test_eos_stops(tmp_path):
         ignored = llm.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0]
         assert ignored.token_ids == base
     assert torch.get_default_dtype() == torch.float32  # nothing global left changed
+
+
+def test_a_closed_llm_says_so(tmp_path):
+    """generate / engine / stats after close() raise a RuntimeError naming it (they raised
+    AttributeError: 'NoneType' object has no attribute 'tokenizer'); close is idempotent."""
+    path = save_demo_model(str(tmp_path / "m"))
+    llm = LLM(path, max_model_len=32, num_kv_blocks=8, kv_block_size=8)
+    assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].token_ids) == 8
+    llm.close()
+    llm.close()
+    for use in (lambda: llm.generate(["ab"], GREEDY, use_tqdm=False), lambda: llm.stats):
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            use()

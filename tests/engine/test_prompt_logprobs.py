@@ -41,6 +41,20 @@ def test_mixed_k_in_one_step(logprob_model):
             check(hf, p, o.prompt_logprobs, k)
 
 
+def test_k_over_the_vocabulary_gives_all_of_it(logprob_model):
+    """k past the vocabulary is capped at it, as the sampler's ``logprobs`` are (it raised
+    'selected index k out of range' from the step), beside a request with a small k."""
+    path, hf = logprob_model
+    vocab = hf.config.vocab_size
+    prompts = make_prompts([9, 6], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, logprobs=k)
+              for k in (10**6, 2)]  # fmt: skip
+    outs, _ = run(path, prompts, params)
+    check(hf, prompts[0], outs[0].prompt_logprobs, vocab)
+    check(hf, prompts[1], outs[1].prompt_logprobs, 2)
+    assert len(outs[0].outputs[0].logprobs[0][1]) == vocab
+
+
 def test_not_asked_is_none(logprob_model):
     outs, _ = run(logprob_model[0], make_prompts([5], 0), SamplingParams(max_tokens=2))
     assert outs[0].prompt_logprobs is None

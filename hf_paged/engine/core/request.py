@@ -33,14 +33,22 @@ class EngineRequest:
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
-    """The prompt as a list of ints (a list, tuple or 1-D tensor of ids).
+    """The prompt as a list of ints (a list, tuple, 1-D tensor or 1-D numpy array of ids).
 
     Raises:
+        TypeError: not a sequence of ids (``None``, an int, a string, bytes, a dict).
         ValueError: empty, an id that is not an int in ``[0, vocab_size)``, or no room for one
             new token under ``max_model_len``.
     """
-    if _is_tensor(prompt_token_ids):
+    if _is_tensor(prompt_token_ids) or _is_array(prompt_token_ids):
         prompt_token_ids = prompt_token_ids.tolist()
+    if isinstance(prompt_token_ids, (str, bytes, dict)) or not isinstance(
+        prompt_token_ids, Iterable
+    ):
+        raise TypeError(
+            f"prompt_token_ids={prompt_token_ids!r} is not allowed: must be a list, tuple or "
+            "1-D tensor of token ids"
+        )
     ids = list(prompt_token_ids)
     if not ids:
         raise ValueError("prompt_token_ids=[] is not allowed: a prompt needs at least 1 token")
@@ -59,6 +67,12 @@ def _is_tensor(x) -> bool:
     """A torch tensor, told without importing torch (a tensor exists only once it is loaded)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_array(x) -> bool:
+    """A numpy array, told without importing numpy."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(x, numpy.ndarray)
 
 
 def check_request_args(params, vocab_size: int, *, external_sampling: bool, proposer,

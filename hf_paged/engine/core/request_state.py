@@ -136,13 +136,16 @@ class RequestTable:
         (seed + index)."""
         if req.request_id in self.by_id:
             raise ValueError(f"request_id={req.request_id!r} is not allowed: it is already in use")
+        seed = req.params.seed  # generators first: what raises leaves the table as it was
+        n = len(req.seqs)
+        generators = [] if seed is None else [self.new_generator(seed + i) for i in range(n)]
         self.by_id[req.request_id] = req
         self.num_sync += req.sync_only
         self.num_spec += req.proposer is not None
-        for i, seq in enumerate(req.seqs):
+        for seq in req.seqs:
             self._by_seq[seq.seq_id] = req
-            if req.params.seed is not None:
-                self._generators[seq.seq_id] = self.new_generator(req.params.seed + i)
+        for seq, g in zip(req.seqs, generators):
+            self._generators[seq.seq_id] = g
 
     def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
         """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""

@@ -125,6 +125,7 @@ def score_prompt_rows(
         if logits is None:
             continue
         if packed is None:
+            k = min(k, logits.shape[-1])  # as the sampler's logprobs: at most the vocabulary
             packed = torch.empty(len(rows), 2 + 2 * k, dtype=torch.float32, device=logits.device)
         token_scores.token_scores(logits, plan[1, a : a + step], k, packed[a : a + step])
     return None if packed is None else PromptScores(packed, targets, owners)

@@ -8,7 +8,8 @@ row at the first occurrence of every stop string. Here the same sort, groups, ba
 tokenization give each row's prompt (its attended tokens); every row then runs in one engine
 run, stopping at its own EOS, stop strings or ``max_gen_toks``, and is cut the same way. A row
 that stock keeps generating after its stop (batch-mates still running) is cut at the same
-place, so the text is the same.
+place, so the text is the same. An empty stop string (a task's, or an EOS whose text is '') is
+in every decoding: stock's criterion ends every row after its first token, and so does the row here.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class UntilMatcher:
 class _Row:
     context: str
     gen_kwargs: dict  # as the request gave them (the cache key)
-    until: list[str]  # stop strings, EOS text included
+    until: list[str]  # stop strings, EOS text included (it may decode to '')
     stops: tuple[str, ...]  # the non-empty ones, matched during generation
     prompt: list[int]
     kwargs: dict  # the generate keywords stock's HFLM._model_generate would pass for the row
@@ -175,7 +176,11 @@ def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
         if not isinstance(call, paged_call.NativeCall):
             raise PagedFallback("logits_processor", "the call needs processors the engine lacks")
         req = call.requests[0]
-        if row.stops:
+        if "" in row.until:  # in every text: stock's criterion ends the row at its first token
+            params = dataclasses.replace(req.params, max_tokens=1,
+                                         min_tokens=min(req.params.min_tokens, 1))  # fmt: skip
+            req = EngineRequest(req.prompt_token_ids, params)
+        elif row.stops:
             if row.stops not in filters:
                 filters[row.stops] = text_filter(lm.tokenizer, row.stops)
                 lookback[row.stops] = {

@@ -329,3 +329,19 @@ def test_fallback_is_named(hflm):
     reset_fallback_warnings()
     with pytest.warns(PagedFallbackWarning, match=r"autocast"):
         assert lm._loglikelihood_tokens(reqs) == stock
+
+
+@pytest.mark.parametrize("until", [[""], ["", "c"]], ids=["empty", "empty_and_c"])
+def test_empty_stop_string_ends_after_one_token_as_stock(hflm, until):
+    """An empty ``until`` string (a task's, or an EOS that decodes to '') is in every text:
+    stock's MultiTokenEOSCriteria ends each row after its first token; so must the engine."""
+    from lm_eval.api.instance import Instance
+
+    lm, dispatch, _ = hflm
+    reqs = [Instance("generate_until", {}, (ctx, {"until": list(until), "max_gen_toks": 6}), 0)
+            for ctx in ("the cat", "a dog sat", "red")]  # fmt: skip
+    dispatch.set_default_backend("hf")
+    stock = lm.generate_until(reqs, disable_tqdm=True)
+    dispatch.set_default_backend("paged")
+    assert lm.generate_until(reqs, disable_tqdm=True) == stock
+    assert dispatch.owner(lm.model).engine is not None  # the engine served them

@@ -246,8 +246,8 @@ def test_datasets_map_bad_input(paged_pipe, stock_pipe):
     )
     with pytest.raises(ValueError, match="num_return_sequences=2 is not allowed"):
         n2({"prompt": ["a"]})
-    with pytest.raises(RuntimeError, match="num_proc"):
-        pickle.loads(pickle.dumps(fn))
+    with pytest.raises(RuntimeError, match="num_proc"):  # in another process: calling raises
+        pickle.loads(pickle.dumps(fn))({"prompt": ["a"]})
     with pytest.raises(ValueError, match="batch_size=0 is not allowed"):
         paged_generate_map(paged_pipe.model, stock_pipe.tokenizer, batch_size=0)
     with pytest.raises(TypeError, match="model_or_path=int is not allowed"):
