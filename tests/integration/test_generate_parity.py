@@ -440,3 +440,38 @@ def test_user_max_length_criteria_replaces_the_default(model, batch):
     )
     assert stock.shape[1] == ids.shape[1] + 6
     assert torch.equal(paged, stock)
+
+
+@pytest.mark.parametrize("kind", ["eos", "max_length"])
+def test_several_user_criteria_of_one_kind_all_stop(model, batch, kind):
+    """Stock stops a row on any criterion: every EOS criterion's ids, the tightest max length
+    (not only the last one of the list)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    ids, mask = batch
+    width = ids.shape[1]
+    ref = reference(model, ids, mask, eos_token_id=None)
+    if kind == "eos":
+        picks = eos_from(ref, width, [(1, 1), (3, 3)])
+        criteria = [EosTokenCriteria(t) for t in picks]
+    else:
+        criteria = [MaxLengthCriteria(width + 3), MaxLengthCriteria(width + 6)]
+    stock, paged, *_ = stock_and_paged(
+        model, fresh=lambda: dict(stopping_criteria=list(criteria)), input_ids=ids,
+        attention_mask=mask, max_new_tokens=NEW, eos_token_id=None,
+    )  # fmt: skip
+    if kind == "eos":  # each criterion finished its row: pads after the picked token
+        assert (stock[1, width + 2 :] == 0).all() and (stock[3, width + 4 :] == 0).all()
+    else:
+        assert stock.shape[1] == width + 3
+    assert torch.equal(paged, stock)
+
+
+def test_int32_prompt_ids_come_back_int64_like_stock(model, batch):
+    ids, mask = batch
+    for extra in ({}, {"no_repeat_ngram_size": 2}):
+        stock, paged, *_ = stock_and_paged(
+            model, input_ids=ids.int(), attention_mask=mask, max_new_tokens=3, **extra
+        )
+        assert stock.dtype == torch.int64
+        assert paged.dtype == stock.dtype and torch.equal(paged, stock)
