@@ -475,3 +475,21 @@ def test_int32_prompt_ids_come_back_int64_like_stock(model, batch):
         )
         assert stock.dtype == torch.int64
         assert paged.dtype == stock.dtype and torch.equal(paged, stock)
+
+
+def test_engine_built_under_inference_mode_serves_later_calls():
+    """A first paged call inside ``torch.inference_mode()`` builds the engine there; it and the
+    calls after the block (native, external, beams) equal stock."""
+    model = build_hf_model("llama", seed=0)
+    dispatch.configure(model, **SMALL_ENGINE)
+    ids, mask = left_pad(make_prompts([2, 5], seed=3))
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    try:
+        with torch.inference_mode():
+            stock, paged, *_ = stock_and_paged(model, **call)
+        assert torch.equal(paged, stock)
+        for extra in ({}, {"no_repeat_ngram_size": 2}, {"num_beams": 2}):
+            stock, paged, *_ = stock_and_paged(model, **call, **extra)
+            assert torch.equal(paged, stock), extra
+    finally:
+        dispatch.release(model)
