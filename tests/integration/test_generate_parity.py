@@ -74,7 +74,9 @@ def test_no_input_starts_from_bos_and_return_dict_without_scores(model):
 
 
 @pytest.mark.parametrize(
-    "eos_form", ["int", "list", "list_pad9"], ids=["eos_int", "eos_list", "eos_list_pad9"]
+    "eos_form",
+    ["int", "list", "list_pad9", "list_negative"],
+    ids=["eos_int", "eos_list", "eos_list_pad9", "eos_list_negative"],
 )
 def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
     ids, mask = batch
@@ -82,6 +84,8 @@ def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
     width = ids.shape[1]
     eos = eos_from(ref, width, [(0, 1), (2, 3)])
     kw = dict(eos_token_id=eos[0] if eos_form == "int" else eos)
+    if eos_form == "list_negative":  # -1 matches no token in stock: it stops nothing
+        kw["eos_token_id"] = [-1, *eos]
     if eos_form == "list_pad9":
         kw["pad_token_id"] = 9
     stock, paged, *_ = stock_and_paged(
@@ -98,8 +102,9 @@ def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
         dict(max_length=15),
         dict(max_new_tokens=NEW, min_new_tokens=4),
         dict(max_new_tokens=NEW, min_length=14),
+        dict(max_new_tokens=4.5),  # stock stops at the first length >= L + 4.5
     ],
-    ids=["max_length", "min_new_tokens", "min_length"],
+    ids=["max_length", "min_new_tokens", "min_length", "float_max_new_tokens"],
 )
 def test_length_controls(model, batch, lengths_kw):
     ids, mask = batch
