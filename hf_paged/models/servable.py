@@ -75,10 +75,17 @@ def servable_refusal(model, hf_config=None) -> Refusal | None:
 
 def hook_refusal(model) -> Refusal | None:
     """A forward hook or pre-hook of the caller's on a module of ``model`` (steering vectors,
-    logit lenses, recorders): stock's forward runs it at every step, the engine's own modules
-    never do. transformers' own hooks (output capturing, input grads) leave the values as they
-    are and do not count."""
+    logit lenses, recorders), or a module whose ``forward`` was replaced on the instance: stock's
+    forward runs them at every step, the engine's own modules never do. transformers' own hooks
+    (output capturing, input grads) leave the values as they are and do not count, nor do
+    accelerate's device hooks (``_hf_hook``: the device check judges those models)."""
     for name, module in model.named_modules():
+        if "forward" in vars(module) and not hasattr(module, "_hf_hook"):
+            return Refusal(
+                "patched_forward",
+                f"{name or 'the model'!r} has its own forward set on the instance, which runs "
+                "in stock's forward only: restore the class's forward to serve the model paged",
+            )
         for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
             fn = getattr(hook, "func", hook)  # a functools.partial: the function inside
             if not getattr(fn, "__module__", "").startswith("transformers."):
@@ -102,7 +109,7 @@ def check_servable(model, hf_config=None) -> None:
         return
     if refusal.reason.startswith("quantized_"):
         raise ValueError(refusal.tagged())
-    if refusal.reason == "module_hooks":
+    if refusal.reason in ("module_hooks", "patched_forward"):
         raise ValueError(f"model=<{type(model).__name__}> is not allowed: {refusal.tagged()}")
     raise ValueError(
         f"model=<PEFT model> is not allowed: {refusal.tagged()}; the engine serves plain LoRA "

@@ -216,12 +216,22 @@ def _steered_llama():
     return model
 
 
+def _patched_llama():
+    """An MLP's forward replaced on the instance (halved output): stock calls it."""
+    model = build_hf_model("llama", seed=0)
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x) * 0.5
+    return model
+
+
 MODEL_CASES = {
     "encoder_decoder": _t5,
     "architecture": _unserved_architecture,
     "dtype": _fp16_llama,
     "training_mode": _training_llama,
     "module_hooks": _steered_llama,
+    "patched_forward": _patched_llama,
 }
 
 
