@@ -158,12 +158,14 @@ class NativePlan:
             else:
                 return _refuse(f"logits processor {kind.__name__}")
 
+        # stock stops a row when any criterion says so: the tightest length, every EOS id
         max_length, stop_ids, stop_criterion = None, (), None
         for c in criteria:
             if type(c) is MaxLengthCriteria:
-                max_length = int(c.max_length)
-            elif type(c) is EosTokenCriteria:
-                stop_ids = _ids(c.eos_token_id)
+                limit = math.ceil(c.max_length)  # stock stops at cur_len >= max_length
+                max_length = limit if max_length is None else min(max_length, limit)
+            elif type(c) is EosTokenCriteria:  # a negative id matches no token: no stop
+                stop_ids += tuple(i for i in _ids(c.eos_token_id) if i >= 0 and i not in stop_ids)
             elif type(c) is StopStringCriteria and stop_criterion is None:
                 stop_criterion = c
             else:

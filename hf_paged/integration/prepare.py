@@ -10,6 +10,7 @@ the engine is touched. No engine here: ``plan.py`` turns a prepared call into en
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,7 @@ def prepare_call(
         left_padded=bool((keep[:, 1:] >= keep[:, :-1]).all()),
         wants_scores=wants_scores,
         observed=bool(logits_processor) or user_criteria or streamer is not None or wants_scores,
-        max_new_tokens=max(1, max_length - length),
+        max_new_tokens=max(1, math.ceil(max_length - length)),  # a float max_new_tokens counts up
         pad_token_id=None if pad is None else int(pad),
         assisted=mode == GenerationMode.ASSISTED_GENERATION,
         assistant_model=assistant_model,

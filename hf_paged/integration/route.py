@@ -55,10 +55,12 @@ class Native:
         n, width = len(new), max(len(t) for t in new)
         pad = self.pad_token_id if self.pad_token_id is not None else 0  # unequal only with EOS
         ids = self.input_ids
-        out = torch.full((n, ids.shape[1] + width), pad, dtype=ids.dtype, device=ids.device)
+        # stock appends int64 tokens with torch.cat, which promotes narrower prompt ids
+        dtype = torch.promote_types(ids.dtype, torch.long)
+        out = torch.full((n, ids.shape[1] + width), pad, dtype=dtype, device=ids.device)
         out[:, : ids.shape[1]] = ids
         for i, toks in enumerate(new):
-            out[i, ids.shape[1] : ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=ids.dtype)
+            out[i, ids.shape[1] : ids.shape[1] + len(toks)] = torch.tensor(toks, dtype=dtype)
         return out
 
 

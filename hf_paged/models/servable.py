@@ -1,5 +1,6 @@
 """What no paged engine can serve, whoever asks: quantized weights other than the FP8 formats the
-engine runs, and PEFT adapters that merged weights can't reproduce.
+engine runs, PEFT adapters that merged weights can't reproduce, and forward hooks of the caller's
+on the model's modules (the engine runs its own modules).
 
 One judgement, two outcomes: the engine (``LLM``, ``AutoPagedModelForCausalLM``, which have no
 stock model to fall back on) raises it as ``ValueError`` through ``check_servable``; the
@@ -69,7 +70,32 @@ def servable_refusal(model, hf_config=None) -> Refusal | None:
     quantized = quantization_refusal(model if in_memory else hf_config)
     if quantized is not None or not in_memory:
         return quantized
-    return peft.unsupported_reason(model)
+    return peft.unsupported_reason(model) or hook_refusal(model)
+
+
+def hook_refusal(model) -> Refusal | None:
+    """A forward hook or pre-hook of the caller's on a module of ``model`` (steering vectors,
+    logit lenses, recorders), or a module whose ``forward`` was replaced on the instance: stock's
+    forward runs them at every step, the engine's own modules never do. transformers' own hooks
+    (output capturing, input grads) leave the values as they are and do not count, nor do
+    accelerate's device hooks (``_hf_hook``: the device check judges those models)."""
+    for name, module in model.named_modules():
+        if "forward" in vars(module) and not hasattr(module, "_hf_hook"):
+            return Refusal(
+                "patched_forward",
+                f"{name or 'the model'!r} has its own forward set on the instance, which runs "
+                "in stock's forward only: restore the class's forward to serve the model paged",
+            )
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            fn = getattr(hook, "func", hook)  # a functools.partial: the function inside
+            if not getattr(fn, "__module__", "").startswith("transformers."):
+                what = getattr(fn, "__qualname__", type(fn).__name__)
+                return Refusal(
+                    "module_hooks",
+                    f"a forward hook ({what}) on {name or 'the model'!r} runs in stock's forward "
+                    "only: remove it to serve the model paged",
+                )
+    return None
 
 
 def check_servable(model, hf_config=None) -> None:
@@ -83,6 +109,8 @@ def check_servable(model, hf_config=None) -> None:
         return
     if refusal.reason.startswith("quantized_"):
         raise ValueError(refusal.tagged())
+    if refusal.reason in ("module_hooks", "patched_forward"):
+        raise ValueError(f"model=<{type(model).__name__}> is not allowed: {refusal.tagged()}")
     raise ValueError(
         f"model=<PEFT model> is not allowed: {refusal.tagged()}; the engine serves plain LoRA "
         "(merged into its weights); use the PEFT model's own generate"

@@ -95,6 +95,18 @@ def test_unsupported_architecture(tmp_path, monkeypatch):
         LLM(str(tmp_path))
 
 
+def test_model_with_a_forward_hook_is_refused_by_name():
+    from hf_paged.testing import build_hf_model
+
+    model = build_hf_model("llama", seed=0)
+    handle = model.lm_head.register_forward_hook(lambda mod, args, out: -out)
+    with pytest.raises(ValueError, match=r"forward hook .* on 'lm_head' .*\[module_hooks\]"):
+        LLM(model, num_kv_blocks=16, kv_block_size=8)
+    handle.remove()
+    with LLM(model, num_kv_blocks=16, kv_block_size=8) as llm:
+        assert len(llm.generate([[3, 4]], GREEDY, use_tqdm=False)[0].token_ids) == 8
+
+
 def test_kv_budget_too_small(tmp_path):
     path = save_tiny_model("llama", str(tmp_path / "m"))
     with pytest.raises(ValueError, match="max_model_len=128 needs 16"):

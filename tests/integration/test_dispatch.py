@@ -303,7 +303,7 @@ def test_native_plan_from_processors_refuses_unknown_and_right_semantics():
         RepetitionPenaltyLogitsProcessor,
         TopKLogitsWarper,
     )
-    from transformers.generation.stopping_criteria import MaxLengthCriteria
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     crit = [MaxLengthCriteria(10)]
     kw = dict(do_sample=True, input_length=4, vocab_size=256, left_padded=True)
@@ -315,3 +315,7 @@ def test_native_plan_from_processors_refuses_unknown_and_right_semantics():
     assert NativePlan.from_processors([TopKLogitsWarper(300)], crit, **kw).top_k == -1  # off
     plan = NativePlan.from_processors([], crit, **dict(kw, input_length=10))
     assert plan.max_tokens == 1  # like stock
+    # several criteria of one kind: stock stops on any of them
+    both = [MaxLengthCriteria(7), EosTokenCriteria(5), MaxLengthCriteria(9), EosTokenCriteria(6)]
+    plan = NativePlan.from_processors([], both, **kw)
+    assert plan.max_tokens == 3 and plan.stop_token_ids == (5, 6)

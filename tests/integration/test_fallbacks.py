@@ -208,11 +208,30 @@ def _training_llama():
     return build_hf_model("llama", seed=0, attention_dropout=0.1).train()
 
 
+def _steered_llama():
+    """A steering vector added to layer 0's output by a forward hook: stock runs it."""
+    model = build_hf_model("llama", seed=0)
+    shift = torch.full((model.config.hidden_size,), 3.0)
+    model.model.layers[0].register_forward_hook(lambda mod, args, out: out + shift)
+    return model
+
+
+def _patched_llama():
+    """An MLP's forward replaced on the instance (halved output): stock calls it."""
+    model = build_hf_model("llama", seed=0)
+    mlp = model.model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x) * 0.5
+    return model
+
+
 MODEL_CASES = {
     "encoder_decoder": _t5,
     "architecture": _unserved_architecture,
     "dtype": _fp16_llama,
     "training_mode": _training_llama,
+    "module_hooks": _steered_llama,
+    "patched_forward": _patched_llama,
 }
 
 
@@ -227,6 +246,19 @@ def test_model_fallback(engines, reason):
         check_fallback(model, reason, lambda: kwargs)
     assert engines == []
     assert existing_owner(model) is None
+
+
+def test_transformers_own_hooks_stay_paged(engines):
+    """transformers installs output-capturing hooks when asked for hidden states once: they
+    are not the caller's."""
+    model = build_hf_model("llama", seed=0)
+    model.generate(input_ids=IDS, max_new_tokens=2, output_hidden_states=True,
+                   return_dict_in_generate=True)  # fmt: skip
+    assert any(m._forward_hooks for m in model.modules())
+    out, msgs = _paged(model, dict(input_ids=IDS, max_new_tokens=2))
+    assert msgs == [] and len(engines) == 1
+    assert torch.equal(out, model.generate(input_ids=IDS, max_new_tokens=2))
+    dispatch.release(model)
 
 
 def test_one_warning_per_reason_per_process(llama, engines):

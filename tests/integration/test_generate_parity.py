@@ -74,7 +74,9 @@ def test_no_input_starts_from_bos_and_return_dict_without_scores(model):
 
 
 @pytest.mark.parametrize(
-    "eos_form", ["int", "list", "list_pad9"], ids=["eos_int", "eos_list", "eos_list_pad9"]
+    "eos_form",
+    ["int", "list", "list_pad9", "list_negative"],
+    ids=["eos_int", "eos_list", "eos_list_pad9", "eos_list_negative"],
 )
 def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
     ids, mask = batch
@@ -82,6 +84,8 @@ def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
     width = ids.shape[1]
     eos = eos_from(ref, width, [(0, 1), (2, 3)])
     kw = dict(eos_token_id=eos[0] if eos_form == "int" else eos)
+    if eos_form == "list_negative":  # -1 matches no token in stock: it stops nothing
+        kw["eos_token_id"] = [-1, *eos]
     if eos_form == "list_pad9":
         kw["pad_token_id"] = 9
     stock, paged, *_ = stock_and_paged(
@@ -98,8 +102,9 @@ def test_eos_finishes_rows_early_and_pads(model, batch, eos_form):
         dict(max_length=15),
         dict(max_new_tokens=NEW, min_new_tokens=4),
         dict(max_new_tokens=NEW, min_length=14),
+        dict(max_new_tokens=4.5),  # stock stops at the first length >= L + 4.5
     ],
-    ids=["max_length", "min_new_tokens", "min_length"],
+    ids=["max_length", "min_new_tokens", "min_length", "float_max_new_tokens"],
 )
 def test_length_controls(model, batch, lengths_kw):
     ids, mask = batch
@@ -440,3 +445,56 @@ def test_user_max_length_criteria_replaces_the_default(model, batch):
     )
     assert stock.shape[1] == ids.shape[1] + 6
     assert torch.equal(paged, stock)
+
+
+@pytest.mark.parametrize("kind", ["eos", "max_length"])
+def test_several_user_criteria_of_one_kind_all_stop(model, batch, kind):
+    """Stock stops a row on any criterion: every EOS criterion's ids, the tightest max length
+    (not only the last one of the list)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    ids, mask = batch
+    width = ids.shape[1]
+    ref = reference(model, ids, mask, eos_token_id=None)
+    if kind == "eos":
+        picks = eos_from(ref, width, [(1, 1), (3, 3)])
+        criteria = [EosTokenCriteria(t) for t in picks]
+    else:
+        criteria = [MaxLengthCriteria(width + 3), MaxLengthCriteria(width + 6)]
+    stock, paged, *_ = stock_and_paged(
+        model, fresh=lambda: dict(stopping_criteria=list(criteria)), input_ids=ids,
+        attention_mask=mask, max_new_tokens=NEW, eos_token_id=None,
+    )  # fmt: skip
+    if kind == "eos":  # each criterion finished its row: pads after the picked token
+        assert (stock[1, width + 2 :] == 0).all() and (stock[3, width + 4 :] == 0).all()
+    else:
+        assert stock.shape[1] == width + 3
+    assert torch.equal(paged, stock)
+
+
+def test_int32_prompt_ids_come_back_int64_like_stock(model, batch):
+    ids, mask = batch
+    for extra in ({}, {"no_repeat_ngram_size": 2}):
+        stock, paged, *_ = stock_and_paged(
+            model, input_ids=ids.int(), attention_mask=mask, max_new_tokens=3, **extra
+        )
+        assert stock.dtype == torch.int64
+        assert paged.dtype == stock.dtype and torch.equal(paged, stock)
+
+
+def test_engine_built_under_inference_mode_serves_later_calls():
+    """A first paged call inside ``torch.inference_mode()`` builds the engine there; it and the
+    calls after the block (native, external, beams) equal stock."""
+    model = build_hf_model("llama", seed=0)
+    dispatch.configure(model, **SMALL_ENGINE)
+    ids, mask = left_pad(make_prompts([2, 5], seed=3))
+    call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    try:
+        with torch.inference_mode():
+            stock, paged, *_ = stock_and_paged(model, **call)
+        assert torch.equal(paged, stock)
+        for extra in ({}, {"no_repeat_ngram_size": 2}, {"num_beams": 2}):
+            stock, paged, *_ = stock_and_paged(model, **call, **extra)
+            assert torch.equal(paged, stock), extra
+    finally:
+        dispatch.release(model)
