@@ -73,13 +73,29 @@ def servable_refusal(model, hf_config=None) -> Refusal | None:
     return peft.unsupported_reason(model) or hook_refusal(model)
 
 
+# packages whose module classes the engine knows how to read (transformers' own and remote code,
+# torch's building blocks, PEFT's LoRA wrappers, accelerate's, the FP8 / quantization layers)
+_KNOWN_MODULE_PACKAGES = ("torch", "transformers", "transformers_modules", "peft", "accelerate",
+                          "hf_paged", "compressed_tensors", "bitsandbytes", "optimum")  # fmt: skip
+
+
 def hook_refusal(model) -> Refusal | None:
     """A forward hook or pre-hook of the caller's on a module of ``model`` (steering vectors,
-    logit lenses, recorders), or a module whose ``forward`` was replaced on the instance: stock's
-    forward runs them at every step, the engine's own modules never do. transformers' own hooks
-    (output capturing, input grads) leave the values as they are and do not count, nor do
-    accelerate's device hooks (``_hf_hook``: the device check judges those models)."""
+    logit lenses, recorders), a module whose ``forward`` was replaced on the instance, or a
+    module of the caller's own class put into the model (a head or layer swapped for a subclass
+    with its own forward): stock's forward runs them at every step, the engine's own modules
+    never do. transformers' own hooks (output capturing, input grads) leave the values as they
+    are and do not count, nor do accelerate's device hooks (``_hf_hook``: the device check judges
+    those models)."""
     for name, module in model.named_modules():
+        package = type(module).__module__.split(".")[0]
+        if package not in _KNOWN_MODULE_PACKAGES:
+            return Refusal(
+                "custom_modules",
+                f"{name or 'the model'!r} is a {type(module).__qualname__} (from "
+                f"{type(module).__module__}), whose forward runs in stock's forward only: the "
+                "engine runs its own modules from the model's weights",
+            )
         if "forward" in vars(module) and not hasattr(module, "_hf_hook"):
             return Refusal(
                 "patched_forward",
@@ -109,7 +125,7 @@ def check_servable(model, hf_config=None) -> None:
         return
     if refusal.reason.startswith("quantized_"):
         raise ValueError(refusal.tagged())
-    if refusal.reason in ("module_hooks", "patched_forward"):
+    if refusal.reason in ("module_hooks", "patched_forward", "custom_modules"):
         raise ValueError(f"model=<{type(model).__name__}> is not allowed: {refusal.tagged()}")
     raise ValueError(
         f"model=<PEFT model> is not allowed: {refusal.tagged()}; the engine serves plain LoRA "

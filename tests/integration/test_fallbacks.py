@@ -225,7 +225,26 @@ def _patched_llama():
     return model
 
 
+class _FlippedHead(torch.nn.Linear):
+    """The caller's own head class: the same weight, its own forward (the vocabulary reversed)."""
+
+    def forward(self, x):
+        return super().forward(x).flip(-1)
+
+
+def _custom_head_llama():
+    """The output head swapped for a subclass of the caller's (same weights): stock calls its
+    forward, which changes the tokens; the engine would read the weight alone."""
+    model = build_hf_model("llama", seed=0)
+    old = model.lm_head
+    head = _FlippedHead(old.in_features, old.out_features, bias=False)
+    head.weight = old.weight
+    model.lm_head = head
+    return model
+
+
 MODEL_CASES = {
+    "custom_modules": _custom_head_llama,
     "encoder_decoder": _t5,
     "architecture": _unserved_architecture,
     "dtype": _fp16_llama,
