@@ -79,17 +79,22 @@ _KNOWN_MODULE_PACKAGES = ("torch", "transformers", "transformers_modules", "peft
                           "hf_paged", "compressed_tensors", "bitsandbytes", "optimum")  # fmt: skip
 
 
+def _package(module) -> str:
+    return type(module).__module__.split(".")[0]
+
+
 def hook_refusal(model) -> Refusal | None:
     """A forward hook or pre-hook of the caller's on a module of ``model`` (steering vectors,
     logit lenses, recorders), a module whose ``forward`` was replaced on the instance, or a
-    module of the caller's own class put into the model (a head or layer swapped for a subclass
-    with its own forward): stock's forward runs them at every step, the engine's own modules
-    never do. transformers' own hooks (output capturing, input grads) leave the values as they
-    are and do not count, nor do accelerate's device hooks (``_hf_hook``: the device check judges
-    those models)."""
+    module of the caller's own class put into a stock architecture (a head or layer swapped for a
+    subclass with its own forward): stock's forward runs them at every step, the engine's own
+    modules never do. transformers' own hooks (output capturing, input grads) leave the values
+    as they are and do not count, nor do accelerate's device hooks (``_hf_hook``: the device
+    check judges those models)."""
+    stock_class = _package(model) in _KNOWN_MODULE_PACKAGES  # else an architecture of the
+    # caller's own (registered with the Auto classes): its own modules are its definition
     for name, module in model.named_modules():
-        package = type(module).__module__.split(".")[0]
-        if package not in _KNOWN_MODULE_PACKAGES:
+        if stock_class and _package(module) not in _KNOWN_MODULE_PACKAGES:
             return Refusal(
                 "custom_modules",
                 f"{name or 'the model'!r} is a {type(module).__qualname__} (from "

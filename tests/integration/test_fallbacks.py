@@ -267,6 +267,27 @@ def test_model_fallback(engines, reason):
     assert existing_owner(model) is None
 
 
+def test_custom_module_check_spares_an_architecture_of_the_callers_own():
+    """A model class of the caller's (registered with the Auto classes, say) is its own
+    definition: its modules are not surgery on a stock architecture (whether the engine builds
+    that class is the architecture check's judgement); a stock class with a swapped head is."""
+    from hf_paged.models.servable import hook_refusal
+
+    stock = build_hf_model("llama", seed=0)
+
+    class MyLlama(type(stock)):
+        pass
+
+    class MyNorm(type(stock.model.norm)):
+        pass
+
+    mine = MyLlama(stock.config)
+    mine.model.norm = MyNorm(stock.config.hidden_size)
+    assert hook_refusal(mine) is None
+    assert hook_refusal(_custom_head_llama()).reason == "custom_modules"
+    assert hook_refusal(stock) is None
+
+
 def test_transformers_own_hooks_stay_paged(engines):
     """transformers installs output-capturing hooks when asked for hidden states once: they
     are not the caller's."""
