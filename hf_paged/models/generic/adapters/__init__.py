@@ -10,7 +10,9 @@ that flattened sequences stay independent, so an adapter that got the math wrong
 build time (or caught by the coverage test), never served.
 
 A family module (one file per model family, listed in ``_FAMILIES``) registers its adapters at
-import with ``register``; ``install`` swaps them in on a built model.
+import with ``register``; ``install`` swaps them in on a built model. A family may also name a
+``prepare`` per module class, called once on each such module of a built model (say, to switch
+off a model-level computation its adapter does inside the attention instead).
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ _FAMILIES: tuple[str, ...] = (
 
 _ADAPTERS: dict[type, Callable] = {}  # HF attention module class -> replacement forward
 _MODELS: set[str] = set()  # qualified names of the causal-LM classes the adapters serve
+_PREPARE: dict[type, Callable] = {}  # HF module class -> called once on each built module
 
 
-def register(model_classes: tuple[type, ...], adapters: dict[type, Callable]) -> None:
+def register(model_classes: tuple[type, ...], adapters: dict[type, Callable],
+             prepare: dict[type, Callable] | None = None) -> None:  # fmt: skip
     """Serve ``model_classes`` by replacing each ``adapters`` key's forward with its value,
-    a function ``(module, *args, **kwargs)`` with the original forward's signature."""
+    a function ``(module, *args, **kwargs)`` with the original forward's signature; ``prepare``
+    maps module classes to a function called on each such module at ``install``."""
     _ADAPTERS.update(adapters)
+    _PREPARE.update(prepare or {})
     _MODELS.update(_qualname(c) for c in model_classes)
 
 
@@ -75,6 +81,9 @@ def install(model: nn.Module) -> int:
     _load()
     n = 0
     for module in model.modules():
+        setup = _PREPARE.get(type(module))
+        if setup is not None:
+            setup(module)
         fn = _ADAPTERS.get(type(module))
         if fn is not None:
             module.forward = types.MethodType(fn, module)

@@ -77,4 +77,13 @@ def forward(
 if hasattr(hf, "FALCON_ATTENTION_CLASSES"):
     hf.FALCON_ATTENTION_CLASSES.setdefault(ATTN_IMPL, hf.FalconAttention)
 
-register(model_classes=(hf.FalconForCausalLM,), adapters={hf.FalconAttention: forward})
+
+def _no_model_level_alibi(model: hf.FalconModel) -> None:
+    """The attention adds ALiBi from the slopes (``config.alibi``): the model's own ALiBi tensor
+    and the 4-D mask it folds it into are the padded batch's (and transformers >= 5.25 reads that
+    mask from the attention-mask interface, which hf_paged's attention does not fill)."""
+    model.use_alibi = False
+
+
+register(model_classes=(hf.FalconForCausalLM,), adapters={hf.FalconAttention: forward},
+         prepare={hf.FalconModel: _no_model_level_alibi})  # fmt: skip
