@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import EngineConfig
+from hf_paged.layers.rotary import length_dependent_limit
 from hf_paged.models.registry import resolve_model_class
 from hf_paged.models.servable import check_servable
 from hf_paged.paths import not_a_checkpoint
@@ -106,8 +107,27 @@ def _compute_dtype(model) -> torch.dtype:
 
 
 def default_max_model_len(hf_config) -> int:
-    """``max_model_len`` when the config sets none: the model's own positions (2048 if unknown)."""
-    return getattr(hf_config, "max_position_embeddings", None) or 2048
+    """``max_model_len`` when the config sets none: the model's own positions (2048 if unknown),
+    or less where its rope changes with the length (``rope_length_limit``)."""
+    own = getattr(hf_config, "max_position_embeddings", None) or 2048
+    limit = length_dependent_limit(hf_config)
+    return own if limit is None else min(own, limit[1])
+
+
+def rope_length_limit(hf_config, max_model_len: int) -> str | None:
+    """Why ``max_model_len`` is too long for this model's rope, or None: HF's dynamic NTK and
+    longrope frequencies follow the longest sequence of each forward, which the engine's
+    batches and chunks do not reproduce past that length."""
+    limit = length_dependent_limit(hf_config)
+    if limit is None or max_model_len <= limit[1]:
+        return None
+    kind, length = limit
+    return (
+        f"max_model_len={max_model_len} is not allowed for this model: its rope_type {kind!r} "
+        f"changes frequencies once a forward's longest sequence passes {length} tokens, and "
+        "stock takes that length from its own padded batch, which the engine's batches and "
+        f"chunked prefills do not reproduce; max_model_len must be <= {length}"
+    )
 
 
 def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
@@ -154,6 +174,9 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     check_servable(model, hf_config)
     resolve_model_class(hf_config, config.model_impl)  # raises, naming why, if no path runs it
     max_model_len = config.max_model_len or default_max_model_len(hf_config)
+    too_long = rope_length_limit(hf_config, max_model_len)
+    if too_long is not None:
+        raise ValueError(too_long)
     eos = _as_ids(getattr(gen_config, "eos_token_id", None)) or _as_ids(
         getattr(hf_config, "eos_token_id", None)
     )

@@ -41,6 +41,7 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.config import SamplingParams
 from hf_paged.engine.stop_strings import StopStrings
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.layers.rotary import length_dependent_limit
 from hf_paged.refusal import Refusal
 
 _NEG_INF = float("-inf")
@@ -270,6 +271,14 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "
         raise ValueError(f"held={held!r} is not allowed: must be 'rows', 'batch' or 'beams'")
     prompt = max(len(p) for p in prompts)
     limit = runtime.max_model_len
+    rope = length_dependent_limit(runtime.hf_config)
+    if rope is not None and prompt + max_new > rope[1]:
+        raise PagedFallback(
+            "rope_length",
+            f"a row may reach {prompt + max_new} tokens, past the {rope[1]} after which the "
+            f"model's rope_type {rope[0]!r} changes its frequencies with the batch's longest "
+            "row, which the engine's batches and chunked prefills do not reproduce",
+        )
     if prompt + max_new > limit:
         fix = (
             f"pass max_new_tokens <= {limit - prompt}"

@@ -13,12 +13,12 @@ Sequence-length dependent variants follow HF's ``dynamic_rope_update``:
 * ``longrope``: the long factors are used when ``max(positions) + 1`` exceeds
   ``original_max_position_embeddings``, the short ones otherwise.
 
-Caveat: like HF, the switch looks at the largest position in the whole batch. HF batches a fixed
-set of padded rows, we batch whatever the scheduler put together (and chunk long prefills), so
-once any sequence is past the original length, results for these two types can differ from a
-stock ``generate`` run (single-sequence runs without chunked prefill match). Both paths stay on
-the device (``torch.where``), no host sync; ``is_dynamic`` tells the runner the frequencies
-depend on the batch.
+Like HF, the switch looks at the largest position in the whole batch. HF batches a fixed set of
+padded rows, we batch whatever the scheduler put together (and chunk long prefills), so once any
+sequence is past the original length, results for these two types would differ from stock's:
+``length_dependent_limit`` names that length and the runtime caps ``max_model_len`` there (a
+larger one is refused, ``generate`` runs stock). Both paths stay on the device
+(``torch.where``), no host sync.
 """
 
 from __future__ import annotations
@@ -49,6 +49,29 @@ def rope_parameters(hf_config) -> dict:
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer rope_parameters are not supported: {params}")
     return params
+
+
+def length_dependent_limit(hf_config) -> tuple[str, int] | None:
+    """``(rope_type, length)`` when the config's rope frequencies change once a forward's
+    longest sequence passes ``length`` (HF's ``dynamic_rope_update``: dynamic NTK past
+    ``max_position_embeddings``, longrope past ``original_max_position_embeddings``), else None.
+
+    Stock takes that length from its own padded batch at each forward; the engine batches,
+    chunks and recomputes sequences differently, so it reproduces stock only while no sequence
+    passes ``length`` (``engine.runtime`` caps ``max_model_len`` there)."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    nested = [v for v in params.values() if isinstance(v, dict)]  # per layer type
+    limits = []
+    for p in nested or [params]:
+        kind = p.get("rope_type", p.get("type", "default"))
+        if "dynamic" in kind:
+            limits.append((kind, cfg.max_position_embeddings))
+        elif kind == "longrope":
+            orig = p.get("original_max_position_embeddings")
+            orig = orig or getattr(cfg, "original_max_position_embeddings", None)
+            limits.append((kind, orig or cfg.max_position_embeddings))
+    return min(limits, key=lambda kl: kl[1]) if limits else None
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -291,7 +291,15 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def unsupported_reason(hf_config) -> Refusal | None:
         """Why the native decoder refuses ``hf_config`` before building it (``model_impl="auto"``
-        then takes the generic path), or None."""
+        then takes the generic path), or None: an activation other than SiLU, a rope the
+        native ``RotaryEmbedding`` does not build, an FP8 layout the fused layers can't hold."""
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            return Refusal("hidden_act", f"hidden_act={act!r}: the native MLP is SiLU-gated")
+        try:
+            RotaryEmbedding(hf_config, head_dim_of(hf_config))
+        except ValueError as e:
+            return Refusal("rope", str(e))
         why = fp8_layout_problem(hf_config)
         return None if why is None else Refusal("fp8_layout", why)
 

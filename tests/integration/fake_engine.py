@@ -61,6 +61,7 @@ class FakeEngine:
         eos = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         self.runtime = SimpleNamespace(
             config=self.config,
+            hf_config=model.config,
             vocab_size=model.config.vocab_size,
             max_model_len=self.config.max_model_len or model.config.max_position_embeddings,
             eos_token_ids=eos,

@@ -155,6 +155,19 @@ def test_max_model_len_fallback(llama, engines):
     assert engines and all(e.num_added == 0 for e in engines)
 
 
+def test_rope_length_fallback(engines):
+    """longrope switches factors with the batch's longest row past original_max_position_embeddings
+    (16): a call whose rows may pass it runs stock (the engine's batches and chunks differ)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}  # fmt: skip
+    model = build_hf_model("llama", seed=0, rope_parameters=rope, max_position_embeddings=64)
+    check_fallback(model, "rope_length", lambda: dict(input_ids=IDS, max_new_tokens=13))
+    assert all(e.num_added == 0 for e in engines)
+    out, msgs = _paged(model, dict(input_ids=IDS, max_new_tokens=12))  # 16 tokens: served
+    assert msgs == [] and engines[-1].num_added == 1
+    dispatch.release(model)
+
+
 def test_kv_cache_too_small_for_external_batch(llama, engines):
     ids, mask = left_pad(make_prompts([6, 6, 6], seed=8))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6)

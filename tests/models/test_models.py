@@ -375,3 +375,20 @@ def test_tensor_parallel_ranks_in_threads_match_hf(family, overrides, tp, tmp_pa
     assert all(r is True for r in results[1:])  # other ranks get no logits
     for seq, out in zip(seqs, results[0], strict=True):
         torch.testing.assert_close(out, _hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_takes_generic_for_an_activation_native_refuses():
+    """A llama with GELU: the native MLP raised at build under model_impl="auto"; now "auto"
+    serves it on the generic path with stock's tokens, and "native" names the refusal."""
+    from hf_paged.models.registry import resolve_model_class, unsupported_reason
+    from hf_paged.testing import left_pad, make_prompts, stock_and_paged
+
+    hf = build_hf_model("llama", seed=0, hidden_act="gelu")
+    assert resolve_model_class(hf.config, "auto").__name__ == "GenericForCausalLM"
+    assert unsupported_reason(hf.config, "native").reason == "hidden_act"
+    ids, mask = left_pad(make_prompts([3, 6], seed=2))
+    stock, paged, *_ = stock_and_paged(
+        hf, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+        pad_token_id=0, paged_config={"kv_block_size": 4, "max_model_len": 32},
+    )  # fmt: skip
+    assert torch.equal(stock, paged)

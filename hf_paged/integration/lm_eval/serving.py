@@ -8,7 +8,7 @@ import dataclasses
 from tqdm.auto import tqdm
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.runtime import default_max_model_len
+from hf_paged.engine.runtime import default_max_model_len, rope_length_limit
 from hf_paged.integration import dispatch, servable
 from hf_paged.integration.fallback import PagedFallback
 
@@ -49,6 +49,9 @@ def owner_for(lm, max_model_len: int, scoring: bool = False):
     not set, takes steps of ``SCORING_BATCHED_TOKENS``.
     """
     check_served(lm)
+    too_long = rope_length_limit(lm.model.config, max_model_len)
+    if too_long is not None:
+        raise PagedFallback("rope_length", too_long)
     owner = dispatch.owner(lm.model)
     want = owner.configured or owner.built_with or EngineConfig()
     if owner.engine is not None:
