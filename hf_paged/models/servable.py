@@ -76,7 +76,8 @@ def servable_refusal(model, hf_config=None) -> Refusal | None:
 # packages whose module classes the engine knows how to read (transformers' own and remote code,
 # torch's building blocks, PEFT's LoRA wrappers, accelerate's, the FP8 / quantization layers)
 _KNOWN_MODULE_PACKAGES = ("torch", "transformers", "transformers_modules", "peft", "accelerate",
-                          "hf_paged", "compressed_tensors", "bitsandbytes", "optimum")  # fmt: skip
+                          "hf_paged", "compressed_tensors", "bitsandbytes", "optimum",
+                          "kernels")  # fmt: skip
 
 
 def _package(module) -> str:

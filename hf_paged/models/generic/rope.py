@@ -56,16 +56,30 @@ def code_body(fn) -> str | None:
     return ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(node.args)
 
 
+def plain_function(fn):
+    """The function behind ``fn``: transformers >= 5.25 with the ``kernels`` package makes a
+    module-level function such as ``apply_rotary_pos_emb`` a hub-kernel ``Func`` module whose
+    forward calls the function it was made from (a closure variable ``func``); anything else is
+    returned as it is."""
+    forward = getattr(type(fn), "forward", None) if isinstance(fn, torch.nn.Module) else None
+    if forward is None or not inspect.isfunction(forward):
+        return fn
+    inner = inspect.getclosurevars(forward).nonlocals.get("func")
+    return inner if inspect.isfunction(inner) else fn
+
+
 @functools.cache
 def _reference() -> tuple[str | None, str | None]:
     from transformers.models.llama import modeling_llama as llama
 
-    return code_body(llama.apply_rotary_pos_emb), code_body(llama.rotate_half)
+    return (code_body(plain_function(llama.apply_rotary_pos_emb)),
+            code_body(plain_function(llama.rotate_half)))  # fmt: skip
 
 
 def _is_llama_rope(module_globals: dict) -> bool:
     fn, rot = module_globals.get("apply_rotary_pos_emb"), module_globals.get("rotate_half")
     fn = getattr(fn, "__wrapped__", fn) if getattr(fn, _WRAPPED_ATTR, False) else fn
+    fn, rot = plain_function(fn), plain_function(rot)
     if not (inspect.isfunction(fn) and inspect.isfunction(rot)):
         return False
     ref_fn, ref_rot = _reference()

@@ -4,6 +4,8 @@ equal the HF model's on each sequence's whole token list (fp32, CPU)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -108,21 +110,33 @@ def test_beam_search_falls_back_by_name():
     assert torch.equal(stock, paged)
 
 
-def test_assisted_decoding_raises_as_stock():
-    """Stock refuses assisted generation on stateful models; the paged call says the same."""
+def test_assisted_decoding_as_stock():
+    """Assisted generation on a stateful model: where stock refuses it (transformers < 5.25),
+    the paged call raises the same; where stock runs it, the paged call runs stock, named (a
+    recurrent state cannot take back rejected tokens)."""
     from hf_paged import release
-    from hf_paged.testing import left_pad
+    from hf_paged.testing import fallback_warnings, left_pad
 
     _, hf = build_tiny("qwen3_5_text")
     ids, mask = left_pad([[5, 6, 7, 8]])
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
               prompt_lookup_num_tokens=2)  # fmt: skip
-    with pytest.raises(ValueError, match="stateful") as stock:
-        hf.generate(ids, **kw)
-    with pytest.raises(ValueError, match="stateful") as paged:
-        hf.generate(ids, backend="paged", **kw)
-    release(hf)
-    assert str(paged.value) == str(stock.value)
+    try:
+        stock = hf.generate(ids, **kw)
+    except ValueError as e:
+        assert "stateful" in str(e)
+        with pytest.raises(ValueError) as paged:
+            hf.generate(ids, backend="paged", **kw)
+        assert str(paged.value) == str(e)
+    else:
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            paged = hf.generate(ids, backend="paged", **kw)
+        msgs = fallback_warnings(records)
+        assert len(msgs) == 1 and "[recurrent_assisted]" in msgs[0], msgs
+        assert torch.equal(paged, stock)
+    finally:
+        release(hf)
 
 
 def test_speculative_proposer_is_refused_by_name(tmp_path):
