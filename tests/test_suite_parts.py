@@ -71,6 +71,8 @@ def test_the_command_line_lists_and_refuses():
     rows = [line for line in listed.splitlines() if line.startswith("| ")]
     assert len(rows) == len(gpu_parts.PARTS) + 1  # the header and a row per part
     paths = subprocess.run([*cmd, "paths", "4"], capture_output=True, text=True, check=True)
-    assert paths.stdout.startswith("-m gpu tests/kernels --ignore=tests/kernels/test_paged_attention_kernels.py")
+    assert paths.stdout.startswith(
+        "-m gpu tests/kernels --ignore=tests/kernels/test_paged_attention_kernels.py"
+    )
     bad = subprocess.run([*cmd, "run", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "PART=0 is not allowed" in bad.stderr

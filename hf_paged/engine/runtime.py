@@ -154,9 +154,11 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     elif isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):
-            raise ValueError(not_a_checkpoint(
-                "model", path, "a local checkpoint directory or a loaded transformers model"
-            ))
+            raise ValueError(
+                not_a_checkpoint(
+                    "model", path, "a local checkpoint directory or a loaded transformers model"
+                )
+            )
         hf_config = AutoConfig.from_pretrained(path)
         try:
             gen_config = GenerationConfig.from_pretrained(path)

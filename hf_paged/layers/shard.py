@@ -20,7 +20,6 @@ class ShardSlice:
     full: int  # length of the full checkpoint tensor along ``dim``
 
 
-
 def loaded_shape(loaded: Any) -> tuple[int, ...]:
     """Shape of a tensor or of a lazy safetensors slice, without reading it."""
     if isinstance(loaded, torch.Tensor):

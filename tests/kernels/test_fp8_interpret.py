@@ -30,8 +30,12 @@ GEMV = [  # (M, N, K, block, bias, config, column-major x scales)
     (5, 80, 96, (32, 32), True, (16, 2, 4, 2), False),  # 3 groups in steps of 2
     (16, 48, 72, (16, 32), False, (32, 4, 4, 3), True),  # a partial last group
 ]
-NORM = [(3, 256, 128, True), (2, 96, 32, False), (1, 64, 16, True),  # (T, H, group, residual)
-        (3, 96, 4096, True)]  # one scale per token (compressed-tensors)
+NORM = [
+    (3, 256, 128, True),
+    (2, 96, 32, False),
+    (1, 64, 16, True),  # (T, H, group, residual)
+    (3, 96, 4096, True),
+]  # one scale per token (compressed-tensors)
 ACT = [(3, 256, 128), (2, 100, 32)]  # (T, I, group)
 
 

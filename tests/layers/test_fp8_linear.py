@@ -121,7 +121,9 @@ def test_gpu_rules_with_the_device_faked(monkeypatch, fp8_gemm_env, tmp_path):
 # ---- the cuBLASLt call's layout ---------------------------------------------------------------
 
 
-@pytest.mark.skipif(not fp8_scaled_mm.available(), reason="this torch has no block-wise F.scaled_mm")
+@pytest.mark.skipif(
+    not fp8_scaled_mm.available(), reason="this torch has no block-wise F.scaled_mm"
+)
 @pytest.mark.parametrize("m", [1, 3, 16, 100])
 def test_block_scaled_mm_layout_passes_torch_checks(m):
     """torch's meta kernel of ``F.scaled_mm`` holds the layout rules of the CUDA kernel
