@@ -220,7 +220,7 @@ class SamplingParams:
         repetition_penalty: HF/CTRL penalty on every token already in prompt or output; 1 = off.
         presence_penalty: subtracted once from logits of tokens in the output; 0 = off.
         frequency_penalty: subtracted per occurrence in the output; 0 = off.
-        max_tokens: most new tokens.
+        max_tokens: most new tokens; None = up to ``max_model_len`` (as vLLM).
         min_tokens: stop tokens (EOS and ``stop_token_ids``) are masked until this many.
         stop_token_ids: extra ids that end the request (beside the model's EOS ids).
         stop: stop strings (HF ``stop_strings`` semantics: the request stops as soon as one
@@ -250,7 +250,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -271,7 +271,7 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), True, True)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         _check_int("min_tokens", self.min_tokens, 0)
         _check_seed("seed", self.seed, self.n, allow_none=True)  # seed + i for completion i
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
@@ -295,7 +295,7 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop", self.stop, "a list of non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
 
     @property

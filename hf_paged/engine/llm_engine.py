@@ -41,6 +41,7 @@ from hf_paged.engine.core.request import (
     RequestGroup,
     RequestStream,
     check_request_args,
+    resolve_max_tokens,
     validate_prompt,
 )  # fmt: skip
 from hf_paged.engine.core.request import run as _run_requests
@@ -173,6 +174,7 @@ class LLMEngine:
             proposer=proposer, beam_search=beam_search,
         )  # fmt: skip
         ids = self.validate_prompt(prompt_token_ids)
+        params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
         matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
         rid = next(self._ids) if request_id is None else request_id
         req = RequestState.build(

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.core.outputs import RequestOutput
-from hf_paged.engine.core.request import EngineRequest, budget
+from hf_paged.engine.core.request import EngineRequest, budget, resolve_max_tokens
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.integration.engine_owner import EngineOwner, fingerprint
 
@@ -68,7 +68,13 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The tokenizer (None without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            prompt = _unwrap_prompt_dict(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -88,8 +94,9 @@ class LLM:
         """One RequestOutput per prompt, in input order.
 
         Args:
-            prompts: a string, a list (or 1-D tensor) of token ids, or a list of either; a
-                2-D tensor is a batch of equal-length prompts.
+            prompts: a string, a list (or 1-D tensor) of token ids, vLLM's ``{"prompt": text}``
+                or ``{"prompt_token_ids": ids}``, or a list of any of these; a 2-D tensor is a
+                batch of equal-length prompts.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar over generated tokens (of the most requested).
             proposer: speculative decoding for every prompt (``hf_paged.engine.spec.proposers``:
@@ -106,7 +113,50 @@ class LLM:
             held.get()  # rebuilt first when an in-memory model's weights changed
             return self._generate(prompts, sampling_params, use_tqdm, proposer)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None):
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        them, rendered with the tokenizer's chat template (vLLM's ``LLM.chat``). The rendered
+        text is ``RequestOutput.prompt``; its ids are the template's, no special tokens added.
+
+        Raises:
+            ValueError: no tokenizer, or it has no chat template and none was given.
+        """
+        self._check_open()
+        tok = self.tokenizer
+        if tok is None or (chat_template is None and not getattr(tok, "chat_template", None)):
+            raise ValueError(
+                "LLM.chat is not allowed without a tokenizer that has a chat template: save one "
+                "beside the checkpoint, pass tokenizer=..., or give chat_template=..."
+            )
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [
+            tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            for conv in convs
+        ]
+        with self._owner.hold() as held:
+            held.get()
+            ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+            encoded = [(t, self.engine.validate_prompt(i)) for t, i in zip(texts, ids)]
+            return self._generate(texts, sampling_params, use_tqdm, encoded=encoded)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None, encoded=None):
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -125,8 +175,10 @@ class LLM:
                     f"sampling_params[{i}]={sp!r} is not allowed: must be a SamplingParams"
                 )
         # validate everything before queueing
-        requests = [EngineRequest(ids, sp, text, proposer=proposer) for (text, ids), sp in
-                    zip(map(self._encode, prompts), params)]  # fmt: skip
+        max_len = self.engine.runtime.max_model_len
+        requests = [EngineRequest(ids, resolve_max_tokens(sp, len(ids), max_len), text,
+                                  proposer=proposer)
+                    for (text, ids), sp in zip(encoded or map(self._encode, prompts), params)]  # fmt: skip
         total = sum(budget(r.params) for r in requests)
         bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
         try:
@@ -177,9 +229,31 @@ def _as_prompt_list(prompts) -> list:
         isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)
     ):
         return [prompts]
-    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+    if isinstance(prompts, dict):
+        return [prompts]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
         raise TypeError(
             f"prompts={prompts!r} is not allowed: give a string, a list of token ids, or a list "
             "of either (a 2-D tensor is one prompt per row)"
         )
     return list(prompts)
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _unwrap_prompt_dict(prompt: dict):
+    """The text or ids of vLLM's ``TextPrompt`` ``{"prompt": text}`` or ``TokensPrompt``
+    ``{"prompt_token_ids": ids}``; other keys (``multi_modal_data``, ...) are refused by name."""
+    keys = [k for k in _PROMPT_KEYS if k in prompt]
+    other = sorted(map(str, prompt.keys() - set(_PROMPT_KEYS)))
+    if len(keys) != 1 or other:
+        raise ValueError(
+            f"prompts=<dict with keys {sorted(map(str, prompt))}> is not allowed: a dict prompt "
+            'must have exactly one key, "prompt" (a string) or "prompt_token_ids" (token ids)'
+        )
+    value = prompt[keys[0]]
+    if (keys[0] == "prompt") != isinstance(value, str):
+        want = "a string" if keys[0] == "prompt" else "token ids"
+        raise TypeError(f"prompts=<dict with {keys[0]}={value!r}> is not allowed: must be {want}")
+    return value

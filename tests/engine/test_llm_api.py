@@ -137,7 +137,7 @@ def test_numpy_and_tensor_prompts(llm):
     assert rows == [o.token_ids for o in llm.generate(ragged, GREEDY, use_tqdm=False)] == [ref] * 2
 
 
-@pytest.mark.parametrize("prompt", [None, b"ab", {"prompt": "a"}, 5])
+@pytest.mark.parametrize("prompt", [None, b"ab", 5])
 def test_prompt_that_is_no_sequence_of_ids(llm, prompt):
     with pytest.raises(TypeError, match=r"prompt_token_ids=.* is not allowed: must be a list"):
         llm.generate([[4, 5], prompt], GREEDY, use_tqdm=False)
@@ -231,3 +231,57 @@ def test_a_closed_llm_says_so(tmp_path):
     for use in (lambda: llm.generate(["ab"], GREEDY, use_tqdm=False), lambda: llm.stats):
         with pytest.raises(RuntimeError, match="this LLM is closed"):
             use()
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts are prompts (they raised TypeError); other keys
+    are refused by name."""
+    ids = llm.tokenizer.encode("Hello")
+    ref = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
+    outs = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [ref.token_ids] * 2
+    assert [o.prompt for o in outs] == ["Hello", None] and outs[1].prompt_token_ids == ids
+    assert llm.generate({"prompt": "Hello"}, GREEDY, use_tqdm=False)[0].token_ids == ref.token_ids
+    with pytest.raises(ValueError, match=r"keys \['multi_modal_data', 'prompt'\]"):
+        llm.generate([{"prompt": "a", "multi_modal_data": {}}], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_token_ids='ab'"):
+        llm.generate([[4, 5], {"prompt_token_ids": "ab"}], GREEDY, use_tqdm=False)
+    still_works(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    """max_tokens=None is vLLM's "up to max_model_len" (it was refused)."""
+    from hf_paged.engine.core.request import EngineRequest
+
+    prompt = [5, 6, 7] * 18  # 54 tokens: 10 left under max_model_len=64
+    none = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([prompt], none, use_tqdm=False)[0]
+    ref = llm.generate([prompt], dataclasses.replace(none, max_tokens=10), use_tqdm=False)[0]
+    assert out.token_ids == ref.token_ids and out.finish_reason == "length"
+    assert llm.engine.run([EngineRequest(prompt, none)])[0].token_ids == ref.token_ids
+    with pytest.raises(ValueError, match=r"min_tokens=11 .* room for 10 under max_model_len=64"):
+        llm.generate([prompt], dataclasses.replace(none, min_tokens=11), use_tqdm=False)
+    still_works(llm)
+
+
+def test_vllm_output_fields_and_tokenizer(llm):
+    """RequestOutput.finished, CompletionOutput.cumulative_logprob and LLM.get_tokenizer, as
+    vLLM's."""
+    out = llm.generate("Hi", dataclasses.replace(GREEDY, logprobs=1), use_tqdm=False)[0]
+    assert out.finished
+    total = sum(lp for lp, _top in out.logprobs)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total) and total < 0
+    assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_chat_renders_the_template(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    text = llm.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    ref = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)], GREEDY,
+                       use_tqdm=False)[0]  # fmt: skip
+    outs = llm.chat([conv, conv + [{"role": "assistant", "content": "yo"}]], GREEDY,
+                    use_tqdm=False)  # fmt: skip
+    assert outs[0].prompt == text and outs[0].token_ids == ref.token_ids
+    assert outs[1].prompt.endswith("<assistant>yo\n<assistant>")
+    assert llm.chat(conv, GREEDY, use_tqdm=False)[0].token_ids == ref.token_ids

@@ -35,6 +35,11 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[tuple[float, dict[int, float]]] | None = None  # per token, when asked
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' logprobs (vLLM's); None without ``logprobs``."""
+        return None if self.logprobs is None else sum(lp for lp, _top in self.logprobs)
+
 
 @dataclass
 class RequestOutput:
@@ -47,6 +52,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (and
     # for those before ``prompt_logprobs_start``); None when not asked
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    finished: bool = True  # vLLM's field: a returned request has finished (stop, length, abort)
 
     # the first completion's fields, for the common n == 1 case
     @property

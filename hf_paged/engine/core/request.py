@@ -12,6 +12,7 @@ The engine only needs ``add_request`` / ``step`` / ``abort`` / ``has_unfinished_
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
@@ -123,8 +124,27 @@ def _check_each_id(ids: list, vocab_size: int) -> None:
 
 
 def budget(params: SamplingParams) -> int:
-    """Most tokens a request can generate (the unit of ``stream``'s progress callback)."""
-    return params.max_tokens * params.n
+    """Most tokens a request can generate (the unit of ``stream``'s progress callback); 0 for
+    ``max_tokens=None`` (no bound known before the engine resolves it)."""
+    return (params.max_tokens or 0) * params.n
+
+
+def resolve_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int):
+    """``params`` with ``max_tokens=None`` made the room left under ``max_model_len`` (vLLM's
+    meaning); other params as they are.
+
+    Raises:
+        ValueError: ``min_tokens`` is more than that room.
+    """
+    if params.max_tokens is not None:
+        return params
+    room = max_model_len - prompt_len
+    if params.min_tokens > room:
+        raise ValueError(
+            f"min_tokens={params.min_tokens} is not allowed: the prompt of {prompt_len} tokens "
+            f"leaves room for {room} under max_model_len={max_model_len}"
+        )
+    return dataclasses.replace(params, max_tokens=room)
 
 
 class RequestGroup:
