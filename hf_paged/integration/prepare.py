@@ -177,6 +177,10 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
         raise ValueError("`attention_mask` passed to `generate` must be 2D.")
     if mask.shape != inputs_tensor.shape:
         raise PagedFallback("attention_mask", "attention_mask's shape differs from input_ids'")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        # stock's forward takes its positions from the mask's running sum and its attention
+        # bias from the values: the engine knows attended (1) and padding (0) only
+        raise PagedFallback("attention_mask", "attention_mask holds values other than 0 and 1")
     if inputs_tensor.shape[1] == 0 or bool((mask.sum(dim=-1) == 0).any()):
         raise PagedFallback("empty_prompt", "a row has no attended token")
     if bool((mask[:, -1] == 0).any()):

@@ -129,6 +129,10 @@ def _call_cases(llama):
             "empty_prompt",
             lambda: dict(base, input_ids=ids, attention_mask=mask * torch.tensor([[0], [1]])),
         ),
+        "mask_values": (  # stock's positions follow the running sum: 0, 2, 4 ...
+            "attention_mask",
+            lambda: dict(base, input_ids=ids, attention_mask=mask * 2),
+        ),
     }
 
 
