@@ -54,8 +54,12 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize(  # the generic path's channel scales: test_fp8_checkpoints at tp 1
     "fmt,model_impl",
-    [("finegrained", "native"), ("finegrained", "generic"), ("ct", "native"),
-     ("tensor", "generic")],  # fmt: skip
+    [
+        ("finegrained", "native"),
+        ("finegrained", "generic"),
+        ("ct", "native"),
+        ("tensor", "generic"),
+    ],  # fmt: skip
 )
 def test_tp2_matches_tp1(checkpoints, fmt, model_impl):
     path, ps = checkpoints[fmt], prompts()
