@@ -72,7 +72,7 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
-        problem = tp_split_problem(runtime.hf_config, world)
+        problem = tp_split_problem(runtime.hf_config, world, runtime.config.model_impl)
         if problem is not None:  # said before a worker starts (each would fail the same way)
             raise ValueError(problem)
         spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
