@@ -59,17 +59,18 @@ def test_kv_heads_fewer_than_ranks_are_replicated():
     [
         ("falcon", {}, "FalconForCausalLM has no tensor-parallel plan"),
         ("starcoder2", {"intermediate_size": 37}, r"mlp.c_fc.weight has 37 along dim 0"),
+        ("lfm2", {}, r"recurrent layers \(Lfm2ShortConv\) are not sharded"),
     ],
 )
 def test_a_split_the_plan_cannot_make_is_refused_before_workers_start(
     model_type, overrides, why, tmp_path
 ):
-    """No plan, or a planned dim that does not divide: a ValueError naming the argument, the
-    value and why, from the calling process (not a worker that dies at build time)."""
+    """No plan, a planned dim that does not divide, recurrent layers: a ValueError naming the
+    argument, the value and why, from the calling process (not a worker that dies at build time)."""
     import multiprocessing as mp
 
     _, model = build_tiny(model_type, **overrides)
     model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 is not allowed .*{why}"):
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 is not allowed.*{why}"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
     assert not mp.active_children()

@@ -105,8 +105,10 @@ class GenericForCausalLM(nn.Module):
             model = build_on_meta(hf_config, torch.float32, torch.device("cpu"))
         except Exception:  # noqa: BLE001  the build in the worker says why, by name
             return None
-        why = recurrent_refusal(model, tp_size)
-        detail = why.detail if why is not None else tp_plan_problem(model, tp_size)
+        why = recurrent_refusal(model, tp_size)  # names tensor_parallel_size itself
+        if why is not None:
+            return why
+        detail = tp_plan_problem(model, tp_size)
         if detail is None:
             return None
         return Refusal(
