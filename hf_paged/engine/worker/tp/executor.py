@@ -2,7 +2,9 @@
 
 Every step rank 0 broadcasts the ModelInput through shared memory (``tp.workers.WorkerGroup``), then
 runs it itself; the ranks meet in the collectives inside the forward pass (row-parallel
-all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``.
+all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``,
+except at startup when it failed with rank 0's own error (a configuration every rank refuses
+alike): that error is raised as a single rank raises it.
 
 Ctrl-C: every rank must make the same collectives in the same order, so a KeyboardInterrupt in
 the middle of rank 0's step would leave a worker waiting on collectives rank 0 never makes (and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+import traceback
 
 import torch
 
@@ -27,7 +30,7 @@ from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.worker.runner_output import RunnerOutput
-from hf_paged.engine.worker.tp.workers import WorkerGroup
+from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.models.registry import tp_split_problem
 
 
@@ -55,6 +58,19 @@ def build_runner(
         abort_check=abort_check, listen_socket=listen,
     )  # fmt: skip
     return ModelRunner(spec, rank, Communicator(rank, world_size, pg))
+
+
+def _raise_worker_failure(group: WorkerGroup, exc: Exception) -> None:
+    """At startup, after rank 0 got ``exc``: raise ``EngineDeadError`` with a worker's error if
+    one failed another way; return (the caller re-raises ``exc``) when the worker failed with
+    rank 0's own error: one configuration fails every rank alike (a KV cache too small, a model
+    the path refuses), and the caller then gets the error a single rank raises."""
+    try:
+        group.raise_if_dead(exc)
+    except EngineDeadError as dead:
+        own = "".join(traceback.format_exception_only(exc)).rstrip()
+        if not (dead.worker_traceback or "").rstrip().endswith(own):
+            raise
 
 
 class TPExecutor:
@@ -97,7 +113,7 @@ class TPExecutor:
                 listen.close()
             try:
                 if isinstance(exc, Exception):
-                    self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
+                    _raise_worker_failure(self.group, exc)
             finally:
                 self.group.close()
                 if getattr(self, "runner", None) is not None:  # built, a worker failed after
