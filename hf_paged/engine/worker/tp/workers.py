@@ -259,21 +259,9 @@ class WorkerGroup:
         conns = [conn for conn in st.conns.values() if not conn.closed]
         return conns + [p.sentinel for r, p in st.procs.items() if r not in st.deaths]
 
-    def _drain(self) -> None:
-        for rank, conn in self._st.conns.items():
-            try:
-                while not conn.closed and conn.poll():
-                    kind, text = conn.recv()
-                    if kind == "ready":
-                        self._st.ready.add(rank)
-                    else:
-                        self._st.reports.setdefault(rank, text)
-            except (EOFError, OSError):
-                conn.close()
-
     def _failure(self) -> EngineDeadError | None:
         st = self._st
-        self._drain()
+        _drain(st)
         if st.closing.is_set():
             return None
         exited = [r for r, p in st.procs.items() if p.exitcode is not None]  # (not closed yet)
@@ -305,6 +293,20 @@ class WorkerGroup:
             tail = st.tails[rank].text(wait=0.5) if rank in st.tails else ""
             text = f"(no report; the worker's stderr ended with)\n{tail}" if tail else None
         return EngineDeadError(rank, text, detail)
+
+
+def _drain(st: _GroupState) -> None:
+    """Take the workers' pending "ready" and error reports off their result pipes."""
+    for rank, conn in st.conns.items():
+        try:
+            while not conn.closed and conn.poll():
+                kind, text = conn.recv()
+                if kind == "ready":
+                    st.ready.add(rank)
+                else:
+                    st.reports.setdefault(rank, text)
+        except (EOFError, OSError):
+            conn.close()
 
 
 def _watchdog(st: _GroupState) -> None:
@@ -344,11 +346,14 @@ def _shutdown(st: _GroupState, timeout: float) -> None:
         os.write(st.stop_pipe[1], b"x")
     deadline = time.monotonic() + timeout
     procs = list(st.procs.values())
-    if procs and all(p.is_alive() for p in procs):
+    _drain(st)
+    # A worker still starting (not "ready": e.g. Ctrl-C or a failure in rank 0 while the
+    # workers load) never reads "exit": it is terminated at once, not after ``timeout``.
+    if procs and len(st.ready) == len(procs) and all(p.is_alive() for p in procs):
         with contextlib.suppress(Exception):  # a busy or wedged worker: terminated below
             st.shm.broadcast(("exit", (), {}), timeout=timeout / 2)
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
