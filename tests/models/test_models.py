@@ -375,3 +375,21 @@ def test_tensor_parallel_ranks_in_threads_match_hf(family, overrides, tp, tmp_pa
     assert all(r is True for r in results[1:])  # other ranks get no logits
     for seq, out in zip(seqs, results[0], strict=True):
         torch.testing.assert_close(out, _hf_logits(hf, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_tp_split_problem_names_an_mlp_that_does_not_split():
+    """``intermediate_size`` 37 over 2 ranks: each path refuses by name before a worker starts
+    (the native decoder said only 'output_sizes[i]=37 is not divisible by tp_size=2', from a
+    worker)."""
+    from hf_paged.models.registry import tp_split_problem
+
+    odd = tiny_config("llama", intermediate_size=37)
+    native = tp_split_problem(odd, 2, "native")
+    assert native.reason == "tensor_parallel_size"
+    assert "tensor_parallel_size=2 is not allowed" in native.detail
+    assert "intermediate_size=37" in native.detail
+    generic = tp_split_problem(odd, 2, "generic")
+    assert "mlp.gate_proj.weight has 37 along dim 0" in generic.detail
+    assert tp_split_problem(odd, 1, "native") is None
+    assert tp_split_problem(tiny_config("llama"), 2, "native") is None
+    assert tp_split_problem(tiny_config("llama"), 2, "generic") is None
