@@ -142,7 +142,8 @@ def shm_reader_killed(_model: str) -> None:
 
 
 def security(model: str) -> None:
-    """Fault 5: what the engine listens on and keeps in /dev/shm, before and after close()."""
+    """Fault 5: what the engine listens on and keeps in /dev/shm, before and after close(), and
+    after a start that failed."""
     from hf_paged.testing.procfs import fd_targets, listening_sockets, shm_files
 
     _process_wide_state()
@@ -156,13 +157,20 @@ def security(model: str) -> None:
     owners = {name: os.stat(name).st_uid == os.getuid() for name in shm}
     llm.close()
     after_fds = fd_targets(os.getpid())
+    listening_after = listening_sockets(os.getpid())
+    try:  # a start that fails on every rank alike (KV cache too small): nothing left either
+        LLM(model, **dict(ENGINE, num_kv_blocks=1))
+    except ValueError:
+        pass
     report(
         listening=listening,
         modes=modes,
         owners=owners,
         shm_left=[name for name in shm if os.path.exists(name)],
-        listening_after=listening_sockets(os.getpid()),
+        listening_after=listening_after,
         new_fds_after=sorted(set(after_fds) - set(base_fds)),
+        failed_start_listening=listening_sockets(os.getpid()),
+        failed_start_new_fds=sorted(set(fd_targets(os.getpid())) - set(base_fds)),
     )
 
 

@@ -156,10 +156,7 @@ class TPExecutor:
         try:
             self.group.close()
         finally:
-            self.runner.exit()
-            # Drop the process group (and with it the store's and gloo's listening sockets)
-            # now, not when the LLM object is collected: layers share this Communicator.
-            self.runner.comm.group = None
+            self.runner.exit()  # its process group and sockets go now (see ModelRunner.exit)
 
 
 class _SigintHeld:

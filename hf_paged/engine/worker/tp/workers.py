@@ -229,7 +229,10 @@ class WorkerGroup:
         """Raise EngineDeadError if any worker died or reported an exception (non-blocking)."""
         error = self._failure()
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # its traceback holds this frame: no cycle through the local
 
     def raise_if_dead(self, exc: BaseException, timeout: float = 2.0) -> None:
         """After rank 0 got ``exc`` in a step: raise EngineDeadError from it if a worker failed.
@@ -241,7 +244,12 @@ class WorkerGroup:
         while True:
             error = self._failure()
             if error is not None:
-                raise error from exc
+                try:
+                    raise error from exc
+                finally:
+                    # its traceback holds this frame: no cycle keeping it, ``exc`` and the
+                    # frames (a half-built runner, its process group's sockets) until a collection
+                    error = None
             left = deadline - time.monotonic()
             if left <= 0:
                 return
