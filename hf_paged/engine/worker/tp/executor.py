@@ -18,9 +18,11 @@ calls raise a RuntimeError that says to create a new engine.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 import traceback
+import weakref
 
 import torch
 
@@ -73,6 +75,24 @@ def _raise_worker_failure(group: WorkerGroup, exc: Exception) -> None:
             raise
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's executors, for the fork hook
+
+
+def _keep_groups_in_fork() -> None:
+    """An ``os.fork()``ed copy holds rank 0's process group of each engine, but not the threads
+    its C++ store and gloo pairs run: destroying it there (the copy's exit) aborts the copy
+    ('std::system_error: Invalid argument'). The copy never uses or frees it."""
+    import ctypes
+
+    for executor in list(_LIVE):
+        group = getattr(getattr(executor, "runner", None), "comm", None)
+        if group is not None and group.group is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group.group))
+
+
+os.register_at_fork(after_in_child=_keep_groups_in_fork)
+
+
 class TPExecutor:
     def __init__(self, runtime: RuntimeInfo, model):
         world = runtime.config.tensor_parallel_size
@@ -123,6 +143,8 @@ class TPExecutor:
             self.group.watch_process_group(self.runner.comm.group)
         self.num_kv_blocks = self.runner.num_kv_blocks
         self._closed = False
+        self._owner = os.getpid()  # a fork()ed copy must not close the parent's group
+        _LIVE.add(self)
 
     def run(self, inp: ModelInput, sampling, external_rows) -> RunnerOutput:
         if self._broken is not None:
@@ -153,6 +175,10 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._owner:
+            # a fork()ed copy (its LLM collected at exit): the workers, the process group and
+            # its sockets are the parent's; leaving the group from here hung the copy
+            return
         try:
             self.group.close()
         finally:

@@ -42,6 +42,22 @@ from hf_paged.engine.worker.tp.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
 
+# Every live worker process of this process's groups, for the fork hook below.
+_WORKER_PROCS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_workers_in_fork() -> None:
+    """In an ``os.fork()``ed copy of rank 0 the workers are the parent's: multiprocessing's exit
+    hook there would SIGTERM them (daemons in its table of children, copied by the fork) and
+    then fail to join them. mp's own forked children reset that table; a bare fork does not."""
+    from multiprocessing import process
+
+    for proc in list(_WORKER_PROCS):
+        process._children.discard(proc)
+
+
+os.register_at_fork(after_in_child=_forget_workers_in_fork)
+
 
 class EngineDeadError(RuntimeError):
     """A tensor-parallel worker died or raised; the engine cannot continue.
@@ -170,6 +186,7 @@ class WorkerGroup:
             send.close()  # so that rank 0 sees EOF when the worker is gone
             shm.release_reader_end(rank - 1)  # likewise for the worker's shm socket
             st.procs[rank], st.conns[rank] = proc, recv
+            _WORKER_PROCS.add(proc)
             st.pids.append(proc.pid)
         st.watchdog = threading.Thread(
             target=_watchdog, args=(st,), name="hf_paged-watchdog", daemon=True
