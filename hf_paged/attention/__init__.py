@@ -31,8 +31,17 @@ def select_backend(device_type: str, requested: str | None = None) -> AttentionB
     """The backend for a device: ``requested`` if given, else the fastest one that works there.
 
     CUDA gets the Triton backend when triton imports; everything else the torch reference.
+
+    Raises:
+        ValueError: ``requested`` is unknown, or is "triton" on a device without a Triton
+            driver (CPU, unless triton's interpreter is on: ``TRITON_INTERPRET=1``).
     """
     if requested is not None:
+        if requested == "triton" and device_type != "cuda" and not _triton_interprets():
+            raise ValueError(
+                f"attention_backend='triton' is not allowed on device {device_type!r}: its "
+                "kernels need CUDA; use attention_backend='torch' or None there"
+            )
         return get_backend(requested)
     if device_type == "cuda":
         try:
@@ -42,6 +51,15 @@ def select_backend(device_type: str, requested: str | None = None) -> AttentionB
         except ImportError:
             pass
     return get_backend("torch")
+
+
+def _triton_interprets() -> bool:
+    """Whether triton runs kernels in its interpreter (any device), as it decides itself."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 __all__ = [

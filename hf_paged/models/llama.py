@@ -303,6 +303,20 @@ class LlamaForCausalLM(nn.Module):
         why = fp8_layout_problem(hf_config)
         return None if why is None else Refusal("fp8_layout", why)
 
+    @staticmethod
+    def tp_problem(hf_config, tp_size: int) -> Refusal | None:
+        """Why the MLP does not split over ``tp_size`` ranks (None: it does); the heads are
+        judged by ``registry.tp_split_problem``, the vocabulary is padded to fit."""
+        inter = hf_config.intermediate_size
+        if inter % tp_size == 0:
+            return None
+        return Refusal(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={tp_size} is not allowed for this model: its "
+            f"intermediate_size={inter} does not split over {tp_size} ranks; "
+            f"tensor_parallel_size must divide {inter}",
+        )
+
     @classmethod
     def decoder_options(cls, hf_config) -> DecoderOptions:
         bias = bool(getattr(hf_config, "attention_bias", False))

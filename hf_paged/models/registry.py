@@ -161,12 +161,21 @@ def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> 
     return None
 
 
-def tp_split_problem(hf_config, tp_size: int) -> Refusal | None:
-    """Why a model's attention heads do not split over ``tp_size`` ranks (None: they do), judged
-    from the config alone, before any worker starts. Query heads must divide evenly; KV heads
-    divide evenly or, when fewer than the ranks, replicate (``tp_size`` a multiple of them)."""
+def tp_split_problem(hf_config, tp_size: int, model_impl: str = "auto") -> Refusal | None:
+    """Why a model does not split over ``tp_size`` ranks (None: it does), judged before any
+    worker starts. Query heads must divide evenly; KV heads divide evenly or, when fewer than
+    the ranks, replicate (``tp_size`` a multiple of them); then the path ``model_impl`` picks
+    says what else it needs (its ``tp_problem``: the generic path's TP plan)."""
     if tp_size == 1:
         return None
+    why = _head_split_problem(hf_config, tp_size)
+    if why is not None:
+        return why
+    check = getattr(resolve_model_class(hf_config, model_impl), "tp_problem", None)
+    return check(hf_config, tp_size) if check is not None else None
+
+
+def _head_split_problem(hf_config, tp_size: int) -> Refusal | None:
     cfg = getattr(hf_config, "text_config", None) or hf_config
     heads = getattr(cfg, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:

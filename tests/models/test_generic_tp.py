@@ -1,5 +1,6 @@
 """Tensor parallelism on the generic path (tp=2 over gloo, CPU): the config's TP plan shards a
-dense (Gemma2) and a MoE (Qwen3-MoE) model, and the tokens equal tp=1's."""
+dense (Gemma2) and a MoE (Qwen3-MoE) model, and the tokens equal tp=1's; a model the plan cannot
+split is refused by name before any worker starts."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ def test_kv_heads_fewer_than_ranks_are_replicated():
     assert torch.equal(parts[2], w[4:]) and torch.equal(parts[3], w[4:])
     packed = ShardRule(0, 1, 2, packed=2).apply(w)  # gate/up halves, shard 1 of each
     assert torch.equal(packed, torch.cat([w[2:4], w[6:8]]))
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,why",
+    [
+        ("falcon", {}, "FalconForCausalLM has no tensor-parallel plan"),
+        ("starcoder2", {"intermediate_size": 37}, r"mlp.c_fc.weight has 37 along dim 0"),
+        ("lfm2", {}, r"recurrent layers \(Lfm2ShortConv\) are not sharded"),
+    ],
+)
+def test_a_split_the_plan_cannot_make_is_refused_before_workers_start(
+    model_type, overrides, why, tmp_path
+):
+    """No plan, a planned dim that does not divide, recurrent layers: a ValueError naming the
+    argument, the value and why, from the calling process (not a worker that dies at build time)."""
+    import multiprocessing as mp
+
+    _, model = build_tiny(model_type, **overrides)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2 is not allowed.*{why}"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    assert not mp.active_children()

@@ -392,3 +392,21 @@ def test_auto_takes_generic_for_an_activation_native_refuses():
         pad_token_id=0, paged_config={"kv_block_size": 4, "max_model_len": 32},
     )  # fmt: skip
     assert torch.equal(stock, paged)
+
+
+def test_tp_split_problem_names_an_mlp_that_does_not_split():
+    """``intermediate_size`` 37 over 2 ranks: each path refuses by name before a worker starts
+    (the native decoder said only 'output_sizes[i]=37 is not divisible by tp_size=2', from a
+    worker)."""
+    from hf_paged.models.registry import tp_split_problem
+
+    odd = tiny_config("llama", intermediate_size=37)
+    native = tp_split_problem(odd, 2, "native")
+    assert native.reason == "tensor_parallel_size"
+    assert "tensor_parallel_size=2 is not allowed" in native.detail
+    assert "intermediate_size=37" in native.detail
+    generic = tp_split_problem(odd, 2, "generic")
+    assert "mlp.gate_proj.weight has 37 along dim 0" in generic.detail
+    assert tp_split_problem(odd, 1, "native") is None
+    assert tp_split_problem(tiny_config("llama"), 2, "native") is None
+    assert tp_split_problem(tiny_config("llama"), 2, "generic") is None

@@ -124,7 +124,8 @@ def test_ctrl_c_mid_generate_then_reuse(runs):
 
 
 def test_rendezvous_on_loopback_and_nothing_left_after_close(runs):
-    """Fault 5: listening sockets loopback only, shm 0600 and unguessable, all freed by close()."""
+    """Fault 5: listening sockets loopback only, shm 0600 and unguessable, all freed by close()
+    and by a start that failed; a fork()ed copy's exit takes none of it."""
     code, res, err = runs("security")
     assert code == 0, err[-3000:]
     assert res["listening"], "the engine's store and gloo sockets were not found"
@@ -137,6 +138,12 @@ def test_rendezvous_on_loopback_and_nothing_left_after_close(runs):
         assert len(name.rsplit("_", 1)[-1]) == 24  # 96 random bits
     assert res["shm_left"] == [] and res["listening_after"] == []
     assert res["new_fds_after"] == []
+    # a failed start gives its sockets back at once, not when a collection breaks the cycle of
+    # the error's frames (its half-built runner held the store and gloo sockets)
+    assert res["failed_start_listening"] == [] and res["failed_start_new_fds"] == []
+    # a bare fork()ed copy exits cleanly and leaves the parent's workers running (its exit
+    # SIGTERMed them through multiprocessing's table of children, then hung leaving the group)
+    assert res["fork_status"] == 0 and res["same_after_fork"]
 
 
 def _children(pid: int) -> list[int]:

@@ -142,13 +142,16 @@ def shm_reader_killed(_model: str) -> None:
 
 
 def security(model: str) -> None:
-    """Fault 5: what the engine listens on and keeps in /dev/shm, before and after close()."""
+    """Fault 5: what the engine listens on and keeps in /dev/shm, before and after close(), and
+    after a start that failed; what a bare ``os.fork()``ed copy's exit takes from it."""
     from hf_paged.testing.procfs import fd_targets, listening_sockets, shm_files
 
     _process_wide_state()
     base_fds = fd_targets(os.getpid())
     llm = LLM(model, **ENGINE)
-    llm.generate(PROMPTS, SHORT, use_tqdm=False)
+    ref = [o.token_ids for o in llm.generate(PROMPTS, SHORT, use_tqdm=False)]
+    fork_status = _fork_and_exit()
+    same_after_fork = [o.token_ids for o in llm.generate(PROMPTS, SHORT, use_tqdm=False)] == ref
     pids = [os.getpid(), *llm.engine.executor.group.pids]
     listening = [addr for pid in pids for addr in listening_sockets(pid)]
     shm = sorted({f for pid in pids for f in shm_files(pid)})
@@ -156,14 +159,33 @@ def security(model: str) -> None:
     owners = {name: os.stat(name).st_uid == os.getuid() for name in shm}
     llm.close()
     after_fds = fd_targets(os.getpid())
+    listening_after = listening_sockets(os.getpid())
+    try:  # a start that fails on every rank alike (KV cache too small): nothing left either
+        LLM(model, **dict(ENGINE, num_kv_blocks=1))
+    except ValueError:
+        pass
     report(
+        fork_status=fork_status,
+        same_after_fork=same_after_fork,
         listening=listening,
         modes=modes,
         owners=owners,
         shm_left=[name for name in shm if os.path.exists(name)],
-        listening_after=listening_sockets(os.getpid()),
+        listening_after=listening_after,
         new_fds_after=sorted(set(after_fds) - set(base_fds)),
+        failed_start_listening=listening_sockets(os.getpid()),
+        failed_start_new_fds=sorted(set(fd_targets(os.getpid())) - set(base_fds)),
     )
+
+
+def _fork_and_exit() -> int:
+    """A bare fork() whose copy exits normally (its LLM collected there, exit hooks run); the
+    copy's wait status. A copy that hangs ends by SIGALRM."""
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        sys.exit(0)
+    return os.waitpid(pid, 0)[1]
 
 
 def _process_wide_state() -> None:

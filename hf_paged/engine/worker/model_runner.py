@@ -97,7 +97,7 @@ class ModelRunner:
         try:
             self._build(spec)
         except BaseException:
-            self._release()  # a failed start gives its memory back too
+            self.exit()  # a failed start gives its memory and its process group back too
             raise
 
     def _build(self, spec: RunnerSpec) -> None:
@@ -393,6 +393,9 @@ class ModelRunner:
             from hf_paged.distributed.process_group import destroy_process_group
 
             destroy_process_group(self.comm.group)
+            # Drop it (with its store's and gloo's sockets) now: the layers share this
+            # Communicator, and the model's reference cycles would keep it until a collection.
+            self.comm.group = None
 
     def _release(self) -> None:
         """Drop every tensor this runner made. The graphs go first (their pool holds captured

@@ -11,7 +11,8 @@ same parameter names, so it loads by name like any model.
 
 :func:`scale_shard_rule` gives the TP plan's rule for a scale: block scales split with their
 blocks (dims 0 / 1 as the weight's, by blocks), row scales with the rows, per-tensor and
-row-parallel row scales are replicated; a split that cuts a block is refused by name.
+row-parallel row scales are replicated (a per-tensor scale by its config strategy: the meta
+module holds an ``[out, 1]`` placeholder); a split that cuts a block is refused by name.
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def scale_shard_rule(module: nn.Module, pname: str, rule, name: str):
     cfg = module.fp8_config
     if rule is None or pname == cfg.input_scale_name or rule.rank0_only:
         return None
-    scale = getattr(module, pname)
-    if scale.dim() < 2:
-        return None  # per tensor: the same on every rank
+    if cfg.strategy == "tensor":
+        # one scale for the whole weight, every rank: the checkpoint's is [], [1] or [1, 1],
+        # not the [out, 1] placeholder the meta module holds
+        return None
     dim = rule.dim % 2  # 0: split rows (colwise), 1: split columns (rowwise)
     if cfg.block is None:
         return rule if dim == 0 else None  # row scales follow rows; whole outputs on each rank

@@ -33,7 +33,7 @@ from hf_paged.models.generic.support import (
     resolve_hf_class,
     static_reason,
 )
-from hf_paged.models.generic.tp import apply_tp_plan
+from hf_paged.models.generic.tp import apply_tp_plan, tp_plan_problem
 from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
 from hf_paged.models.recurrent import registry
 from hf_paged.models.recurrent.base import StateSpec
@@ -96,6 +96,27 @@ class GenericForCausalLM(nn.Module):
     def unsupported_reason(hf_config) -> Refusal | None:
         """Why the generic path refuses ``hf_config`` before building it, or None."""
         return static_reason(hf_config)
+
+    @staticmethod
+    def tp_problem(hf_config, tp_size: int) -> Refusal | None:
+        """Why this path cannot split ``hf_config`` over ``tp_size`` ranks, or None: judged on a
+        meta build in the calling process, before any worker starts (each would fail alike)."""
+        try:
+            model = build_on_meta(hf_config, torch.float32, torch.device("cpu"))
+        except Exception:  # noqa: BLE001  the build in the worker says why, by name
+            return None
+        why = recurrent_refusal(model, tp_size)  # names tensor_parallel_size itself
+        if why is not None:
+            return why
+        detail = tp_plan_problem(model, tp_size)
+        if detail is None:
+            return None
+        return Refusal(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={tp_size} is not allowed for {type(model).__name__} on the "
+            f"generic model path: {detail}; tensor_parallel_size must be 1, or a size its TP plan "
+            "splits evenly",
+        )
 
     @staticmethod
     def hf_class(hf_config) -> type:

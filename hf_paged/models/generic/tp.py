@@ -123,6 +123,23 @@ def apply_tp_plan(model: nn.Module, comm: Communicator) -> dict[str, ShardRule]:
     return rules
 
 
+class _PlanOnly(Communicator):
+    """Rank 0 of ``world`` without a process group: plans a split, never runs a collective."""
+
+    def __init__(self, world: int):
+        self.rank, self.world_size, self.group = 0, world, None
+
+
+def tp_plan_problem(model: nn.Module, world: int) -> str | None:
+    """Why ``apply_tp_plan`` would refuse ``model`` (built on meta; it is sharded in place, so
+    pass a throwaway one) at ``world`` ranks, or None. Every rank plans the same splits."""
+    try:
+        apply_tp_plan(model, _PlanOnly(world))
+    except UnsupportedModelError as e:
+        return str(e)
+    return None
+
+
 def _replicated_scale(module: nn.Module, pname: str) -> bool:
     """An FP8 scale that every rank holds whole (``scale_shard_rule`` gave it no rule)."""
     cfg = getattr(module, "fp8_config", None)

@@ -2,7 +2,9 @@
 
 Every step rank 0 broadcasts the ModelInput through shared memory (``tp.workers.WorkerGroup``), then
 runs it itself; the ranks meet in the collectives inside the forward pass (row-parallel
-all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``.
+all_reduce, LM-head gather). A worker that dies or raises surfaces here as ``EngineDeadError``,
+except at startup when it failed with rank 0's own error (a configuration every rank refuses
+alike): that error is raised as a single rank raises it.
 
 Ctrl-C: every rank must make the same collectives in the same order, so a KeyboardInterrupt in
 the middle of rank 0's step would leave a worker waiting on collectives rank 0 never makes (and
@@ -16,8 +18,11 @@ calls raise a RuntimeError that says to create a new engine.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
+import traceback
+import weakref
 
 import torch
 
@@ -27,7 +32,7 @@ from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.worker.runner_output import RunnerOutput
-from hf_paged.engine.worker.tp.workers import WorkerGroup
+from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.models.registry import tp_split_problem
 
 
@@ -57,6 +62,37 @@ def build_runner(
     return ModelRunner(spec, rank, Communicator(rank, world_size, pg))
 
 
+def _raise_worker_failure(group: WorkerGroup, exc: Exception) -> None:
+    """At startup, after rank 0 got ``exc``: raise ``EngineDeadError`` with a worker's error if
+    one failed another way; return (the caller re-raises ``exc``) when the worker failed with
+    rank 0's own error: one configuration fails every rank alike (a KV cache too small, a model
+    the path refuses), and the caller then gets the error a single rank raises."""
+    try:
+        group.raise_if_dead(exc)
+    except EngineDeadError as dead:
+        own = "".join(traceback.format_exception_only(exc)).rstrip()
+        if not (dead.worker_traceback or "").rstrip().endswith(own):
+            raise
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's executors, for the fork hook
+
+
+def _keep_groups_in_fork() -> None:
+    """An ``os.fork()``ed copy holds rank 0's process group of each engine, but not the threads
+    its C++ store and gloo pairs run: destroying it there (the copy's exit) aborts the copy
+    ('std::system_error: Invalid argument'). The copy never uses or frees it."""
+    import ctypes
+
+    for executor in list(_LIVE):
+        group = getattr(getattr(executor, "runner", None), "comm", None)
+        if group is not None and group.group is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group.group))
+
+
+os.register_at_fork(after_in_child=_keep_groups_in_fork)
+
+
 class TPExecutor:
     def __init__(self, runtime: RuntimeInfo, model):
         world = runtime.config.tensor_parallel_size
@@ -72,7 +108,7 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
-        problem = tp_split_problem(runtime.hf_config, world)
+        problem = tp_split_problem(runtime.hf_config, world, runtime.config.model_impl)
         if problem is not None:  # said before a worker starts (each would fail the same way)
             raise ValueError(problem)
         spec = RunnerSpec.from_runtime(runtime, runtime.model_path)
@@ -97,7 +133,7 @@ class TPExecutor:
                 listen.close()
             try:
                 if isinstance(exc, Exception):
-                    self.group.raise_if_dead(exc)  # EngineDeadError with the worker's error
+                    _raise_worker_failure(self.group, exc)
             finally:
                 self.group.close()
                 if getattr(self, "runner", None) is not None:  # built, a worker failed after
@@ -107,6 +143,8 @@ class TPExecutor:
             self.group.watch_process_group(self.runner.comm.group)
         self.num_kv_blocks = self.runner.num_kv_blocks
         self._closed = False
+        self._owner = os.getpid()  # a fork()ed copy must not close the parent's group
+        _LIVE.add(self)
 
     def run(self, inp: ModelInput, sampling, external_rows) -> RunnerOutput:
         if self._broken is not None:
@@ -137,13 +175,14 @@ class TPExecutor:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._owner:
+            # a fork()ed copy (its LLM collected at exit): the workers, the process group and
+            # its sockets are the parent's; leaving the group from here hung the copy
+            return
         try:
             self.group.close()
         finally:
-            self.runner.exit()
-            # Drop the process group (and with it the store's and gloo's listening sockets)
-            # now, not when the LLM object is collected: layers share this Communicator.
-            self.runner.comm.group = None
+            self.runner.exit()  # its process group and sockets go now (see ModelRunner.exit)
 
 
 class _SigintHeld:

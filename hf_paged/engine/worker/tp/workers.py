@@ -42,6 +42,22 @@ from hf_paged.engine.worker.tp.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
 
+# Every live worker process of this process's groups, for the fork hook below.
+_WORKER_PROCS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_workers_in_fork() -> None:
+    """In an ``os.fork()``ed copy of rank 0 the workers are the parent's: multiprocessing's exit
+    hook there would SIGTERM them (daemons in its table of children, copied by the fork) and
+    then fail to join them. mp's own forked children reset that table; a bare fork does not."""
+    from multiprocessing import process
+
+    for proc in list(_WORKER_PROCS):
+        process._children.discard(proc)
+
+
+os.register_at_fork(after_in_child=_forget_workers_in_fork)
+
 
 class EngineDeadError(RuntimeError):
     """A tensor-parallel worker died or raised; the engine cannot continue.
@@ -170,6 +186,7 @@ class WorkerGroup:
             send.close()  # so that rank 0 sees EOF when the worker is gone
             shm.release_reader_end(rank - 1)  # likewise for the worker's shm socket
             st.procs[rank], st.conns[rank] = proc, recv
+            _WORKER_PROCS.add(proc)
             st.pids.append(proc.pid)
         st.watchdog = threading.Thread(
             target=_watchdog, args=(st,), name="hf_paged-watchdog", daemon=True
@@ -229,7 +246,10 @@ class WorkerGroup:
         """Raise EngineDeadError if any worker died or reported an exception (non-blocking)."""
         error = self._failure()
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # its traceback holds this frame: no cycle through the local
 
     def raise_if_dead(self, exc: BaseException, timeout: float = 2.0) -> None:
         """After rank 0 got ``exc`` in a step: raise EngineDeadError from it if a worker failed.
@@ -241,7 +261,12 @@ class WorkerGroup:
         while True:
             error = self._failure()
             if error is not None:
-                raise error from exc
+                try:
+                    raise error from exc
+                finally:
+                    # its traceback holds this frame: no cycle keeping it, ``exc`` and the
+                    # frames (a half-built runner, its process group's sockets) until a collection
+                    error = None
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -259,21 +284,9 @@ class WorkerGroup:
         conns = [conn for conn in st.conns.values() if not conn.closed]
         return conns + [p.sentinel for r, p in st.procs.items() if r not in st.deaths]
 
-    def _drain(self) -> None:
-        for rank, conn in self._st.conns.items():
-            try:
-                while not conn.closed and conn.poll():
-                    kind, text = conn.recv()
-                    if kind == "ready":
-                        self._st.ready.add(rank)
-                    else:
-                        self._st.reports.setdefault(rank, text)
-            except (EOFError, OSError):
-                conn.close()
-
     def _failure(self) -> EngineDeadError | None:
         st = self._st
-        self._drain()
+        _drain(st)
         if st.closing.is_set():
             return None
         exited = [r for r, p in st.procs.items() if p.exitcode is not None]  # (not closed yet)
@@ -305,6 +318,20 @@ class WorkerGroup:
             tail = st.tails[rank].text(wait=0.5) if rank in st.tails else ""
             text = f"(no report; the worker's stderr ended with)\n{tail}" if tail else None
         return EngineDeadError(rank, text, detail)
+
+
+def _drain(st: _GroupState) -> None:
+    """Take the workers' pending "ready" and error reports off their result pipes."""
+    for rank, conn in st.conns.items():
+        try:
+            while not conn.closed and conn.poll():
+                kind, text = conn.recv()
+                if kind == "ready":
+                    st.ready.add(rank)
+                else:
+                    st.reports.setdefault(rank, text)
+        except (EOFError, OSError):
+            conn.close()
 
 
 def _watchdog(st: _GroupState) -> None:
@@ -344,11 +371,14 @@ def _shutdown(st: _GroupState, timeout: float) -> None:
         os.write(st.stop_pipe[1], b"x")
     deadline = time.monotonic() + timeout
     procs = list(st.procs.values())
-    if procs and all(p.is_alive() for p in procs):
+    _drain(st)
+    # A worker still starting (not "ready": e.g. Ctrl-C or a failure in rank 0 while the
+    # workers load) never reads "exit": it is terminated at once, not after ``timeout``.
+    if procs and len(st.ready) == len(procs) and all(p.is_alive() for p in procs):
         with contextlib.suppress(Exception):  # a busy or wedged worker: terminated below
             st.shm.broadcast(("exit", (), {}), timeout=timeout / 2)
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.terminate()

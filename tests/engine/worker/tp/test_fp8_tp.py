@@ -33,7 +33,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"finegrained": 16x16 blocks (whole blocks on each of 2 ranks), "ct": per channel}."""
+    """{"finegrained": 16x16 blocks (whole blocks on each of 2 ranks), "ct": per channel,
+    "tensor": transformers' per-tensor format ([1, 1] weight scales, static activations)}."""
     root = tmp_path_factory.mktemp("fp8tp")
     plain = save_tiny_model("llama", str(root / "plain"), seed=5)
     fine = str(root / "fine")
@@ -41,11 +42,24 @@ def checkpoints(tmp_path_factory):
     ct = str(root / "ct")
     base = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
     save_compressed_tensors_fp8(base, ct, "channel", True)
-    return {"finegrained": fine, "ct": ct}
+    tensor = str(root / "tensor")
+    model = load_finegrained_fp8(plain, None, dtype=torch.float32, activation_scheme="static")
+    with torch.no_grad():  # transformers' quantizer leaves them unset
+        for name, p in model.named_parameters():
+            if name.endswith("activation_scale"):
+                p.fill_(0.05)
+    model.save_pretrained(tensor)
+    return {"finegrained": fine, "ct": ct, "tensor": tensor}
 
 
 @pytest.mark.parametrize(  # the generic path's channel scales: test_fp8_checkpoints at tp 1
-    "fmt,model_impl", [("finegrained", "native"), ("finegrained", "generic"), ("ct", "native")]
+    "fmt,model_impl",
+    [
+        ("finegrained", "native"),
+        ("finegrained", "generic"),
+        ("ct", "native"),
+        ("tensor", "generic"),
+    ],  # fmt: skip
 )
 def test_tp2_matches_tp1(checkpoints, fmt, model_impl):
     path, ps = checkpoints[fmt], prompts()
@@ -66,6 +80,8 @@ def test_tp2_matches_tp1(checkpoints, fmt, model_impl):
         assert k.weight.shape == (16, 64)
         if fmt == "finegrained":
             assert k.weight_scale_inv.shape == (1, 4)
+        if fmt == "tensor":  # one scale for the whole weight, on every rank
+            assert k.weight_scale_inv.shape == (1, 1)
 
 
 class _TwoRanks(Communicator):

@@ -217,6 +217,18 @@ def test_worker_construction_failure(fleet):
     assert _gone(pids)
 
 
+def test_close_while_the_worker_starts_is_prompt():
+    """A worker that is not ready yet (still importing, or waiting in the rendezvous a failed
+    rank 0 never joins) cannot read "exit": close() terminates it at once. It waited out its
+    5 s timeout first, so Ctrl-C while an engine started took 5 s to return."""
+    group = WorkerGroup(2, DummyTarget, f"127.0.0.1:{find_free_port()}")
+    pids = group.pids
+    start = time.monotonic()
+    group.close()
+    assert time.monotonic() - start < 2.5
+    assert _gone(pids)
+
+
 def test_ctrl_c_in_parent_shuts_down_cleanly(fleet):
     parent = fleet["sigint"]
     line = parent.stdout.readline()  # "READY <shm name> <worker pid>"

@@ -82,6 +82,14 @@ def test_worker_sigkill_raises_engine_dead(models):
     assert shm_segments() <= before
 
 
+def test_a_config_every_rank_refuses_raises_as_at_tp1(models):
+    """A KV cache too small fails every rank alike: the caller gets tp=1's ValueError (not an
+    EngineDeadError naming whichever worker failed first), and no worker is left."""
+    with pytest.raises(ValueError, match=r"the KV cache holds 1 blocks .* max_model_len=96"):
+        LLM(models["llama"], tensor_parallel_size=2, **dict(ENGINE, num_kv_blocks=1))
+    assert not child_pids()
+
+
 def test_worker_exception_carries_traceback(models):
     with LLM(models["llama"], tensor_parallel_size=2, **ENGINE) as llm:
         llm.engine.executor.group.broadcast("no_such_method")
