@@ -248,7 +248,9 @@ class RequestGroup:
         try:
             self.abort_all()
         except Exception:  # the original error matters more than a failed cleanup
-            pass
+            groups = _groups_of(self.engine)
+            for rid in self._open:  # not drained: nobody is left to record them
+                groups.pop(rid, None)
 
 
 def _groups_of(engine) -> dict:
