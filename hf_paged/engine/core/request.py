@@ -156,7 +156,9 @@ class RequestGroup:
 
     def add(self, request: EngineRequest, *, external_sampling: bool = False,
             beam_search: bool = False):  # fmt: skip
-        """Queue one request; returns its id. Raises what ``add_request`` raises (nothing queued)."""
+        """Queue one request; returns its id. Raises TypeError for anything but an
+        ``EngineRequest``, and what ``add_request`` raises (nothing queued)."""
+        _check_request(request, "request")
         kwargs = {"external_sampling": external_sampling}
         if beam_search:
             kwargs["beam_search"] = True
@@ -253,6 +255,14 @@ class RequestGroup:
                 groups.pop(rid, None)
 
 
+_END = object()  # the end of ``stream``'s input
+
+
+def _check_request(request, name: str) -> None:
+    if not isinstance(request, EngineRequest):
+        raise TypeError(f"{name}={request!r} is not allowed: must be an EngineRequest")
+
+
 def _groups_of(engine) -> dict:
     """Request id -> the open ``RequestGroup`` that added it, kept on the engine (any object with
     a ``__dict__``, so stand-in engines too); an id leaves when its finished output is recorded."""
@@ -327,10 +337,11 @@ def _stream(engine, it, max_in_flight, progress):
     with RequestGroup(engine) as group:
         while True:
             while not exhausted and (max_in_flight is None or group.num_open < max_in_flight):
-                req = next(it, None)
-                if req is None:
+                req = next(it, _END)
+                if req is _END:
                     exhausted = True
                     break
+                _check_request(req, f"requests[{num_added}]")  # a None once ended the input
                 rid = group.add(req)
                 index_of[rid], budget_of[rid] = num_added, budget(req.params)
                 num_added += 1

@@ -147,6 +147,20 @@ def test_request_group_aborts_on_error(llm):
     assert_clean(eng)
 
 
+@pytest.mark.parametrize("bad", [None, [5, 6, 7], "abc"])
+def test_a_request_that_is_not_an_engine_request_is_named(llm, bad):
+    # a None once ended the input silently: the requests after it were never run
+    eng = llm.engine
+    with pytest.raises(
+        TypeError, match=r"requests\[1\]=.* is not allowed: must be an EngineRequest"
+    ):
+        eng.run([requests(1)[0], bad, requests(1)[0]])
+    with pytest.raises(TypeError, match="request=.* is not allowed: must be an EngineRequest"):
+        with eng.request_group() as group:
+            group.add(bad)
+    assert_clean(eng)
+
+
 def _within(seconds: float, fn):
     """``fn()``'s result, or a failure (not a hang) when it runs past ``seconds``."""
     box: list = []
