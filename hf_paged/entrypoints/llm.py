@@ -197,10 +197,10 @@ class LLM:
         return self.engine.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        """Free the engine (KV cache, CUDA graphs, weights); the LLM can't run after it.
-        Idempotent."""
+        """Free the engine (KV cache, CUDA graphs, weights); the LLM can't run after it (a
+        ``generate`` running in another thread ends first). Idempotent."""
         self._closed = True
-        self._owner.close()
+        self._owner.close_when_free()
 
     def __enter__(self):
         return self

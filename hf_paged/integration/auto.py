@@ -334,8 +334,9 @@ class PagedModelForCausalLM:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the KV cache and stop worker processes. Safe to call twice."""
-        self.engine.close()
+        """Free the KV cache and stop worker processes (a ``generate`` running in another
+        thread ends first). Safe to call twice."""
+        self._owner.close_when_free()
 
     def __enter__(self) -> PagedModelForCausalLM:
         return self

@@ -173,10 +173,11 @@ def hold_engine(model, paged_config: EngineConfig | dict | None = None):
 
 
 def release(model) -> None:
-    """Close ``model``'s engine now (the next paged call builds a new one)."""
+    """Close ``model``'s engine now (the next paged call builds a new one); during a paged call
+    on ``model`` (another thread's, or from a streamer or criterion inside it), once it ends."""
     found = engine_owner.existing_owner(model)
     if found is not None:
-        found.close()
+        found.close_when_free()
 
 
 # ---- the wrapper -------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class EngineOwner:
         self.gave_back = 0  # engines closed for a stock call (``give_back_for_stock``)
         self._lock = threading.Lock()
         self._holder: int | None = None  # thread id inside ``hold``
+        self._close_pending = False  # ``close_when_free`` asked while a caller held it
 
     # a deep copy or an unpickled copy of a model starts without an owner (``owner_of`` makes
     # one for it): an owner builds its engine for the model it was made for
@@ -121,11 +122,13 @@ class EngineOwner:
         if self.held_here:
             raise PagedFallback("reentrant", "the model's engine is already held by this thread")
         with self._lock:
+            self._close_if_pending()
             self._holder = threading.get_ident()
             try:
                 yield self
             finally:
                 self._holder = None
+                self._close_if_pending()
 
     def configure(self, config: EngineConfig) -> None:
         """The config later calls without one get; a built engine with another closes (unless a
@@ -140,6 +143,23 @@ class EngineOwner:
         self.given_back = None
         if engine is not None:
             engine.close()
+
+    def close_when_free(self) -> None:
+        """Close the engine now, or, while a caller holds it (another thread's call, or this
+        thread's own callback inside a call), when that caller's block ends: closed under a
+        running call, the engine would end it with a released KV cache."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self.close()
+            finally:
+                self._lock.release()
+        else:  # the holder closes it on leaving (or the next ``hold``, if it left meanwhile)
+            self._close_pending = True
+
+    def _close_if_pending(self) -> None:
+        if self._close_pending:
+            self._close_pending = False
+            self.close()
 
     def give_back_for_stock(self) -> bool:
         """Close the engine before a stock call on the model (module docstring), keeping its

@@ -17,7 +17,9 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
+import hf_paged
 from hf_paged import LLM, SamplingParams
+from hf_paged.integration import dispatch
 from hf_paged.testing import build_hf_model, save_tiny_model
 from hf_paged.testing.procfs import fd_targets, shm_files
 
@@ -158,3 +160,70 @@ def test_four_threads_on_one_model_get_their_own_outputs(hf_model):
     assert sorted(got) == [0, 1, 2, 3]
     for t in range(4):
         assert all(torch.equal(out, ref[t]) for out in got[t]), t
+
+
+# ---- closing an engine while a call runs on it ------------------------------------------------
+
+
+class CallbackStreamer(BaseStreamer):
+    """Calls ``fn`` at the third ``put`` (the prompt, then two new tokens)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 3:
+            self.fn()
+
+    def end(self):
+        pass
+
+
+def _release_from_another_thread(model):
+    """A ``fn`` for CallbackStreamer: another thread releases ``model``'s engine while the call
+    waits (it resumes once the release returned)."""
+
+    def fn():
+        releaser = threading.Thread(target=hf_paged.release, args=(model,))
+        releaser.start()
+        releaser.join(30)
+        assert not releaser.is_alive()
+
+    return fn
+
+
+@pytest.mark.parametrize("where", ["same_thread", "other_thread"])
+def test_release_during_a_paged_call_closes_the_engine_after_it(hf_model, where):
+    # the close waits for the running call: closed under it, the call once died with "this
+    # KVCache was released" / "this engine is closed"
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6)
+    kw.update(do_sample=False, pad_token_id=0, backend="paged")
+    config = dict(num_kv_blocks=32, kv_block_size=4)
+    stock = hf_model.generate(**{**kw, "backend": "hf"})
+    fn = (lambda: hf_paged.release(hf_model)) if where == "same_thread" else (
+        _release_from_another_thread(hf_model))  # fmt: skip
+    assert torch.equal(hf_model.generate(**kw, streamer=CallbackStreamer(fn), paged_config=config),
+                       stock)  # fmt: skip
+    assert dispatch.owner(hf_model).engine is None  # closed once the call ended
+    assert torch.equal(hf_model.generate(**kw, paged_config=config), stock)
+
+
+def test_llm_close_from_another_thread_lets_the_running_generate_finish(ckpt):
+    llm = LLM(ckpt, **ENGINE)
+    engine, real_step, steps = llm.engine, llm.engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 2:  # mid-run: another thread closes the LLM
+            closer = threading.Thread(target=llm.close)
+            closer.start()
+            closer.join(30)
+        return real_step()
+
+    engine.step = step
+    outs = llm.generate(_prompts(4, seed=3), GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 4
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)

@@ -153,6 +153,10 @@ class RequestGroup:
     Use it as a context manager: leaving the block by an exception (any BaseException, also
     ``GeneratorExit``) aborts every request of the group still in flight and drains them.
 
+    Several groups may be open on one engine at once (two streams iterated in turn, an
+    ``LLM.generate`` inside a loop over ``engine.stream``): every step runs all of them, and a
+    request finished by another group's step is recorded in its own group (``_groups_of``).
+
     Attributes:
         rids: request ids in the order they were added.
         outputs: request id -> RequestOutput, once the engine reported it.
@@ -172,7 +176,9 @@ class RequestGroup:
 
     def add(self, request: EngineRequest, *, external_sampling: bool = False,
             beam_search: bool = False):  # fmt: skip
-        """Queue one request; returns its id. Raises what ``add_request`` raises (nothing queued)."""
+        """Queue one request; returns its id. Raises TypeError for anything but an
+        ``EngineRequest``, and what ``add_request`` raises (nothing queued)."""
+        _check_request(request, "request")
         kwargs = {"external_sampling": external_sampling}
         if beam_search:
             kwargs["beam_search"] = True
@@ -185,17 +191,25 @@ class RequestGroup:
         rid = self.engine.add_request(request.prompt_token_ids, request.params, **kwargs)
         self.rids.append(rid)
         self._open.add(rid)
+        _groups_of(self.engine)[rid] = self
         return rid
 
     def step(self):
-        """One engine step; records this group's finished requests. Returns the step result."""
+        """One engine step; records each finished request in the group that added it (this one
+        or another open on the engine). Returns the step result."""
         res = self.engine.step()
+        groups = _groups_of(self.engine)
         for out in res.finished:
-            if out.request_id in self._open:
-                self._open.discard(out.request_id)
-                self.outputs[out.request_id] = out
-                self._new.append(out)
+            group = groups.pop(out.request_id, None)
+            if group is not None:
+                group._record(out)
         return res
+
+    def _record(self, out: RequestOutput) -> None:
+        if out.request_id in self._open:
+            self._open.discard(out.request_id)
+            self.outputs[out.request_id] = out
+            self._new.append(out)
 
     def await_logits(self, keys, budget: int) -> dict:
         """Step until every ``(request_id, beam)`` of ``keys`` has its next-token logits (an
@@ -256,7 +270,23 @@ class RequestGroup:
         try:
             self.abort_all()
         except Exception:  # the original error matters more than a failed cleanup
-            pass
+            groups = _groups_of(self.engine)
+            for rid in self._open:  # not drained: nobody is left to record them
+                groups.pop(rid, None)
+
+
+_END = object()  # the end of ``stream``'s input
+
+
+def _check_request(request, name: str) -> None:
+    if not isinstance(request, EngineRequest):
+        raise TypeError(f"{name}={request!r} is not allowed: must be an EngineRequest")
+
+
+def _groups_of(engine) -> dict:
+    """Request id -> the open ``RequestGroup`` that added it, kept on the engine (any object with
+    a ``__dict__``, so stand-in engines too); an id leaves when its finished output is recorded."""
+    return engine.__dict__.setdefault("_hf_paged_request_groups", {})
 
 
 def stream(
@@ -327,19 +357,26 @@ def _stream(engine, it, max_in_flight, progress):
     with RequestGroup(engine) as group:
         while True:
             while not exhausted and (max_in_flight is None or group.num_open < max_in_flight):
-                req = next(it, None)
-                if req is None:
+                req = next(it, _END)
+                if req is _END:
                     exhausted = True
                     break
+                _check_request(req, f"requests[{num_added}]")  # a None once ended the input
                 rid = group.add(req)
                 index_of[rid], budget_of[rid] = num_added, budget(req.params)
                 num_added += 1
-            if not group.num_open:
+            if group.num_open:  # else: only outputs another group's step recorded are left
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"the engine lost {group.num_open} request(s) of this stream"
+                    )
+                res = group.step()
+                if progress is not None:
+                    progress(getattr(res, "num_generated_tokens", 0))
+            finished = group.take_finished()
+            if not finished and not group.num_open:
                 return
-            res = group.step()
-            if progress is not None:
-                progress(getattr(res, "num_generated_tokens", 0))
-            for out in group.take_finished():
+            for out in finished:
                 if progress is not None:
                     used = sum(len(c.token_ids) for c in out.outputs)
                     progress(max(0, budget_of.pop(out.request_id) - used))

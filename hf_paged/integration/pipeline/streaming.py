@@ -14,8 +14,9 @@ A batch the engine cannot sample itself (a streamer, scores, user processors or 
 empty prompt, ``backend="hf"``, whatever the paged ``generate`` would send to stock) ends the
 current engine run once its requests are done, and runs through the pipeline's own forward:
 the per-batch path, paged where that ``generate`` is. An error while preparing a row (a bad
-input, bad generation options) is raised after the outputs of the rows before it, as stock's
-loop would; the engine's requests are aborted and drained first.
+input, bad generation options) or out of the input itself (also a generator's KeyboardInterrupt)
+is raised after the outputs of the rows before it, as stock's loop would; the engine's requests
+are aborted and drained first.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class _Item:
 
     inputs: dict | None = None  # None: the loader is exhausted
     kwargs: dict | None = None
-    error: Exception | None = None  # raised when this item's turn comes
+    error: BaseException | None = None  # raised when this item's turn comes
     stock: bool = False  # known to need the pipeline's own forward
 
 
@@ -187,7 +188,10 @@ class BatchStream:
             inputs = next(self._it)
         except StopIteration:
             return _Item()
-        except Exception as e:  # a bad row: raised in order, after the rows before it
+        # a bad row, or the input raising (also KeyboardInterrupt / SystemExit from a generator):
+        # raised in order, after the rows before it, which stock's loop returned before it
+        # pulled this one
+        except BaseException as e:
             return _Item(error=e)
         try:
             return _Item(inputs, self._kwargs.get(inputs))

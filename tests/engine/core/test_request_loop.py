@@ -6,6 +6,8 @@ strings against stock ``generate``, the LLM bar and tensor prompts."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -142,6 +144,67 @@ def test_request_group_aborts_on_error(llm):
             raise RuntimeError("boom")
     assert all(o.finish_reason == "abort" for o in group.outputs.values())
     assert isinstance(group, RequestGroup) and len(group.outputs) == 5
+    assert_clean(eng)
+
+
+@pytest.mark.parametrize("bad", [None, [5, 6, 7], "abc"])
+def test_a_request_that_is_not_an_engine_request_is_named(llm, bad):
+    # a None once ended the input silently: the requests after it were never run
+    eng = llm.engine
+    with pytest.raises(
+        TypeError, match=r"requests\[1\]=.* is not allowed: must be an EngineRequest"
+    ):
+        eng.run([requests(1)[0], bad, requests(1)[0]])
+    with pytest.raises(TypeError, match="request=.* is not allowed: must be an EngineRequest"):
+        with eng.request_group() as group:
+            group.add(bad)
+    assert_clean(eng)
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result, or a failure (not a hang) when it runs past ``seconds``."""
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert box, f"still running after {seconds} s"
+    return box[0]
+
+
+def test_two_streams_in_turn_and_a_generate_inside_a_stream(llm):
+    # each step runs every open group's requests: one finished by another caller's step is
+    # recorded in its own group (these loops once spun for ever on the requests they lost)
+    eng = llm.engine
+    a, b = requests(6), requests(5, max_tokens=lambda i: 2 + i)
+    ref_a, ref_b = [o.token_ids for o in eng.run(a)], [o.token_ids for o in eng.run(b)]
+
+    def in_turn():
+        got = {"a": {}, "b": {}}
+        streams = {"a": eng.stream(a), "b": eng.stream(b)}
+        while streams:
+            for name, it in list(streams.items()):
+                nxt = next(it, None)
+                if nxt is None:
+                    del streams[name]
+                else:
+                    got[name][nxt[0]] = nxt[1].token_ids
+        return got
+
+    got = _within(60, in_turn)
+    assert [got["a"][i] for i in range(6)] == ref_a
+    assert [got["b"][i] for i in range(5)] == ref_b
+
+    def nested():
+        outer, inner = {}, None
+        for i, out in eng.stream(a):
+            outer[i] = out.token_ids
+            if inner is None:
+                inner = llm.generate([r.prompt_token_ids for r in b], [r.params for r in b],
+                                     use_tqdm=False)  # fmt: skip
+        return outer, [o.token_ids for o in inner]
+
+    outer, inner = _within(60, nested)
+    assert [outer[i] for i in range(6)] == ref_a and inner == ref_b
     assert_clean(eng)
 
 

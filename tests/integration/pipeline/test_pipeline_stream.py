@@ -201,6 +201,25 @@ def test_bad_row_in_the_middle_raises_in_order_and_frees_the_engine(paged_pipe, 
     assert paged_pipe(MANY[:3], **GREEDY) == stock_pipe(MANY[:3], **GREEDY)
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_input_generator_interrupted_returns_the_rows_before_it(paged_pipe, stock_pipe, exc):
+    # the engine pulls rows ahead of what it returned: a KeyboardInterrupt / SystemExit out of
+    # the generator once aborted the rows before it, which stock's loop had returned already
+    def rows():
+        yield from MANY[:6]
+        raise exc
+
+    got = []
+    for pipe in (paged_pipe, stock_pipe):
+        mine = []
+        with pytest.raises(exc):
+            for r in pipe(rows(), batch_size=1, **GREEDY):
+                mine.append(r)
+        got.append(mine)
+    assert got[0] == got[1] and len(got[0]) == 6
+    _no_leaks(paged_pipe.model.engine)
+
+
 def test_bad_generation_options_raise_stock_error(paged_pipe, stock_pipe):
     with pytest.raises(ValueError) as stock_err:
         stock_pipe(MANY[:3], max_new_tokens=-1)
