@@ -24,14 +24,7 @@ out=${OUT:-evaluation/results}
 work=$(mktemp -d /tmp/acceptance.XXXX)
 res=$work/results
 mkdir -p "$res" "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  echo "no .whl (make gpu-wheels): lm-eval runs and the tests that need datasets will skip"
-  export PYTHONPATH=.
-fi
+source tools/gpu-site.sh || exit 1
 export PYTHONUNBUFFERED=1 OUT=$res
 export HF_PAGED_GIT_SHA=${HF_PAGED_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 log=$out/steps.log

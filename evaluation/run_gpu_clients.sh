@@ -26,14 +26,7 @@ cd "$(dirname "$0")/.."
 part=${1:-all}
 out=${OUT:-evaluation/results}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  echo "no .whl: lm-eval and datasets clients will skip (make gpu-wheels)"
-  export PYTHONPATH=.
-fi
+source tools/gpu-site.sh || exit 1
 export CLIENTS_SIZE=gpu CLIENTS_RESULTS_DIR=$out PYTHONUNBUFFERED=1
 export CLIENTS_BREAKDOWN=${CLIENTS_BREAKDOWN:-0}
 export HF_PAGED_GIT_SHA=${HF_PAGED_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

@@ -7,14 +7,7 @@
 # Usage: bash tools/test-gpu.sh [k] [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  echo "test-gpu: no .whl/ (make gpu-wheels): tests that need datasets or lm-eval skip"
-  export PYTHONPATH=.
-fi
+source tools/gpu-site.sh || exit 1
 export PYTHONUNBUFFERED=1
 export HF_PAGED_GIT_SHA=${HF_PAGED_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
