@@ -3,8 +3,10 @@
 Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``, the HF-shaped
 ``AutoPagedModelForCausalLM``, ``paged_generate_map`` (``Dataset.map``), ``shard_generate``
 (torchrun / SLURM slices), and the switches ``set_default_backend``, ``configure``, ``release``,
-``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` (``entrypoints/ray.py``, loaded on first
-access of ``hf_paged.ray``) needs ``ray[data]``. The front ends live in ``entrypoints/``.
+``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` (``from hf_paged.ray import
+map_generate``, or first access of ``hf_paged.ray``) needs ``ray[data]``; it stays out of
+``dir(hf_paged)`` so that ``help(hf_paged)`` works without it. The front ends live in
+``entrypoints/``.
 
 ``import hf_paged`` has one side effect: the ``generate`` and ``pipeline`` dispatchers are
 installed when transformers loads them (``integration/hooks.py``); they change nothing until a
@@ -38,7 +40,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PagedFallbackWarning": ("hf_paged.integration.fallback", "PagedFallbackWarning"),
     "paged_generate_map": ("hf_paged.entrypoints.datasets_map", "paged_generate_map"),
     "shard_generate": ("hf_paged.entrypoints.torchrun", "shard_generate"),
-    "ray": ("hf_paged.entrypoints.ray", None),
+    "ray": ("hf_paged.ray", None),
     "configure": ("hf_paged.integration.dispatch", "configure"),
     "release": ("hf_paged.integration.dispatch", "release"),
     "set_default_backend": ("hf_paged.integration.dispatch", "set_default_backend"),
@@ -56,8 +58,13 @@ def __getattr__(name: str):
     return value
 
 
+# names that need an optional package: loaded on access, but left out of ``dir()`` (``help`` and
+# ``inspect.getmembers`` read every name ``dir()`` lists) and of ``import *``
+_OPTIONAL = ("ray",)
+
+
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS} - set(_OPTIONAL))
 
 
 def install() -> None:
@@ -88,5 +95,4 @@ if _timings.enabled():  # the client's own phases too, on stock and paged runs a
 
     _client_timings.install()
 
-# "ray" stays out of ``import *``: it needs ray[data]
-__all__ = [*(n for n in _EXPORTS if n != "ray"), "install", "uninstall", "__version__"]
+__all__ = [*(n for n in _EXPORTS if n not in _OPTIONAL), "install", "uninstall", "__version__"]

@@ -70,3 +70,41 @@ def test_ray_module_without_ray_says_how_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode != 0
     assert "hf_paged.ray needs ray[data]" in out.stderr and "pip install" in out.stderr
+
+
+# a stand-in ray package: enough for hf_paged.ray to import (its body needs ray only when run)
+_FAKE_RAY = "import sys, types; sys.modules['ray'] = types.ModuleType('ray'); "
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import hf_paged.ray; f = hf_paged.ray.map_generate",
+     "from hf_paged.ray import map_generate as f",
+     "import hf_paged; f = hf_paged.ray.map_generate"],
+    ids=["import-module", "from-import", "attribute"],
+)  # fmt: skip
+def test_ray_module_import_forms(code):
+    """The README's ``import hf_paged.ray`` / ``from hf_paged.ray import map_generate`` and the
+    attribute form all reach the same function."""
+    probe = f"{_FAKE_RAY}{code}; from hf_paged.entrypoints.ray import map_generate; " \
+            "print(f is map_generate)"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_import_hf_paged_ray_without_ray_says_how_to_install():
+    code = "import sys; sys.modules['ray'] = None; import hf_paged.ray"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0
+    assert "hf_paged.ray needs ray[data]" in out.stderr and "pip install" in out.stderr
+
+
+def test_help_works_without_ray():
+    """``help(hf_paged)`` renders the package docstring where ray is not installed."""
+    code = ("import sys, pydoc; sys.modules['ray'] = None; import hf_paged; "
+            "print(pydoc.render_doc(hf_paged, renderer=pydoc.plaintext))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "a paged-KV engine behind Hugging Face" in out.stdout
+    assert "LLMEngine" in out.stdout
