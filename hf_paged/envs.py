@@ -241,6 +241,16 @@ def launcher(name: str) -> str | None:
     return os.environ.get(name)
 
 
+# Variables outside hf_paged's switches that a result file records beside them, because they
+# change how a run's output reaches its log (``benchmarks``' environment record).
+RECORDED_VARIABLES = ("PYTHONUNBUFFERED",)
+
+
+def recorded() -> dict[str, str | None]:
+    """Each of ``RECORDED_VARIABLES`` as set now (None: unset), keyed by its lower-case name."""
+    return {name.lower(): os.environ.get(name) for name in RECORDED_VARIABLES}
+
+
 # Set in every tensor-parallel worker, and in rank 0 before it starts them, unless the user's
 # environment already sets them: NVLink multicast (NVLS) stays off in NCCL, torch's symmetric
 # memory and NVSHMEM, because a program using multicast can take a shared host's GPUs out of

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +186,53 @@ def test_switch_covers_exactly_its_kernels(monkeypatch, switch, off):
     assert _dispatch() == ALL_ON
     monkeypatch.setattr(envs, switch, False)
     assert _dispatch() == {name: name not in off for name in ALL_ON}
+
+
+def _environment_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read the process environment (``os.environ`` / ``os.getenv`` /
+    ``from os import environ``); setting an item (``os.environ[k] = v``) is not a read."""
+    tree = ast.parse(source)
+    stores = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+    }
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+            if isinstance(node.value, ast.Name) and node.value.id == "os" and id(node) not in stores:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(a.name in ("environ", "getenv", "environb") for a in node.names):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_envs_reads_the_environment():
+    """Every environment read of the package goes through ``envs.py``, even one that only
+    records a variable (so the switches and what a result records are found in one place)."""
+    package = Path(envs.__file__).parent
+    files = sorted(package.rglob("*.py"))
+    assert len(files) > 50  # the walk found the package
+    found = [
+        f"{path.relative_to(package.parent)}:{line}"
+        for path in files
+        if path.name != "envs.py" or path.parent != package
+        for line in _environment_reads(path.read_text())
+    ]
+    assert not found, f"environment reads outside hf_paged/envs.py: {found}"
+
+
+def test_an_environment_read_is_found():
+    """The check itself: reads are seen, an item set is not."""
+    assert _environment_reads("import os\nx = os.environ.get('A')\n") == [2]
+    assert _environment_reads("import os\nx = os.getenv('A')\n") == [2]
+    assert _environment_reads("from os import environ\n") == [1]
+    assert _environment_reads("import os\nos.environ['A'] = '1'\n") == []
+
+
+def test_recorded_variables(monkeypatch):
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    assert envs.recorded() == {"pythonunbuffered": "1"}
+    monkeypatch.delenv("PYTHONUNBUFFERED")
+    assert envs.recorded() == {"pythonunbuffered": None}

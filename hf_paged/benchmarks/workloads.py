@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import platform
 import random
 import subprocess
@@ -267,7 +266,7 @@ def environment() -> dict:
         "host": platform.node(),
         "argv": sys.argv,
         "date_utc": utc_stamp(),
-        "pythonunbuffered": os.environ.get("PYTHONUNBUFFERED"),
+        **envs.recorded(),
         # every HF_PAGED_* switch's value in this run, defaults included (hf_paged/envs.py)
         "hf_paged_envs": envs.snapshot(),
     }
