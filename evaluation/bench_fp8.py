@@ -55,6 +55,7 @@ from hf_paged.benchmarks.workloads import (  # noqa: E402
     log,
     utc_stamp,
 )
+from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 from hf_paged.layers.quantization.fp8_checkpoints import (  # noqa: E402
     load_finegrained_fp8,
     save_compressed_tensors_fp8,
@@ -86,7 +87,7 @@ def decode_latency(source, prompt_len: int, n_new: int, ekw: dict, device, repea
         for r in range(repeats):
             prompt = [(31 * r + 17 * i) % 500 for i in range(prompt_len)]  # < every vocab
             engine, times = llm.engine, []
-            rid = engine.add_request(prompt, params)
+            rid = engine.add_request(EngineRequest(prompt, params))
             done = None
             while done is None:
                 res = engine.step()
@@ -141,7 +142,9 @@ def w8a8_logits(fp8_model, fp8_dir: str, prompts, device, ekw: dict, group: int)
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
                   do_sample=False, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)  # fmt: skip
-        ours.append(fp8_model.generate(**kw, backend="paged", paged_config=ekw).logits[0][0].float())
+        ours.append(
+            fp8_model.generate(**kw, backend="paged", paged_config=ekw).logits[0][0].float()
+        )
         with torch.no_grad():
             w8a16.append(ref(ids).logits[0, -1].float())
     hooked = fake_quant_activations(ref, group)
@@ -207,8 +210,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--stock-requests", type=int, default=0,
-                    help="also run stock generate on transformers' FP8 model on N requests")
+    ap.add_argument(
+        "--stock-requests",
+        type=int,
+        default=0,
+        help="also run stock generate on transformers' FP8 model on N requests",
+    )
     ap.add_argument("--logit-prompts", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, 8 requests")
     ap.add_argument("--tmp-dir", default=None, help="where the checkpoints go (~35 GB for 8B)")
@@ -267,7 +274,9 @@ def main(argv=None) -> None:
         if "ct" in args.parts:
             res["ct_w2"] = strip(median_run(ct_dir, w2, ekw, device, args.repeats, "llm_ct"))
             if "w2" in res:  # acceptance: within 10% of fine-grained FP8
-                res["ct_over_finegrained"] = res["ct_w2"]["tok_per_s"] / res["w2"]["fp8"]["tok_per_s"]
+                res["ct_over_finegrained"] = (
+                    res["ct_w2"]["tok_per_s"] / res["w2"]["fp8"]["tok_per_s"]
+                )
             save("ct")
         if "kv" in args.parts:
             kv = {}

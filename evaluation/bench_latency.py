@@ -55,6 +55,7 @@ from hf_paged.benchmarks.workloads import (  # noqa: E402
     sync,
     weight_bytes,
 )
+from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 
 SYSTEMS = ("llm", "dispatch", "dynamic", "static")
 LABELS = {
@@ -174,7 +175,7 @@ def run_llm(source, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
         engine = llm.engine
         runs = []
         for prompt in prompts:
-            rid = engine.add_request(prompt, params)
+            rid = engine.add_request(EngineRequest(prompt, params))
             times, done = [], None
             sync(device)
             t0 = time.perf_counter()

@@ -56,6 +56,7 @@ from hf_paged.benchmarks.workloads import (  # noqa: E402
     sync,
     utc_stamp,
 )
+from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 
 
 def run_ours(engine, prompt, n_new, device, proposer=None) -> dict:
@@ -64,7 +65,7 @@ def run_ours(engine, prompt, n_new, device, proposer=None) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     before = dict(engine.stats)
-    rid = engine.add_request(prompt, params, proposer=proposer)
+    rid = engine.add_request(EngineRequest(prompt, params, proposer=proposer))
     seq = engine.requests.by_id[rid].seqs[0]
     sync(device)
     t0, t_first, steps, done = time.perf_counter(), None, 0, None

@@ -22,6 +22,7 @@ import torch
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.benchmarks.workloads import build_random_model, log
+from hf_paged.engine.core.request import EngineRequest
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     eng = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for i in range(args.batch):
-        eng.add_request([(7 * i + j) % 1000 + 3 for j in range(args.prompt_len)], sp)
+        eng.add_request(EngineRequest([(7 * i + j) % 1000 + 3 for j in range(args.prompt_len)], sp))
     sched = eng.scheduler
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
         eng.step()  # prefill until every request is decoding

@@ -1,6 +1,7 @@
 """hf_paged: a paged-KV engine behind Hugging Face ``generate``.
 
-Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine``, the HF-shaped
+Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine`` (and the
+``EngineRequest`` its ``add_request`` takes), the HF-shaped
 ``AutoPagedModelForCausalLM``, ``paged_generate_map`` (``Dataset.map``), ``shard_generate``
 (torchrun / SLURM slices), and the switches ``set_default_backend``, ``configure``, ``release``,
 ``install`` / ``uninstall``. ``hf_paged.ray.map_generate`` (``from hf_paged.ray import
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "LLM": ("hf_paged.entrypoints.llm", "LLM"),
     "LLMEngine": ("hf_paged.engine.llm_engine", "LLMEngine"),
+    "EngineRequest": ("hf_paged.engine.core.request", "EngineRequest"),
     "EngineConfig": ("hf_paged.config", "EngineConfig"),
     "SamplingParams": ("hf_paged.config", "SamplingParams"),
     "RequestOutput": ("hf_paged.engine.core.outputs", "RequestOutput"),

@@ -200,7 +200,11 @@ def _environment_reads(source: str) -> list[int]:
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
-            if isinstance(node.value, ast.Name) and node.value.id == "os" and id(node) not in stores:
+            if (
+                isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and id(node) not in stores
+            ):
                 lines.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and node.module == "os":
             if any(a.name in ("environ", "getenv", "environb") for a in node.names):

@@ -355,3 +355,43 @@ def test_no_test_file_is_named_after_hardware():
         if any(word in p.stem.split("_")[1:] for word in HARDWARE_WORDS)
     ]
     assert not named, f"test files named after hardware: {named}"
+
+
+# ---- one request shape ----------------------------------------------------------------------
+
+
+def _add_request_signatures(source: str) -> list[tuple[int, list[str]]]:
+    """``(line, parameter names but self)`` of every ``def add_request`` in ``source``, and the
+    annotation of its one parameter (``[name, annotation]``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "add_request":
+            args = node.args
+            params = [a for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg != "self"]
+            extra = [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+            shape = [f"{a.arg}: {ast.unparse(a.annotation) if a.annotation else ''}" for a in params]
+            found.append((node.lineno, shape + [f"*{e}" for e in extra]))
+    return found
+
+
+def test_one_add_request_signature():
+    """A request has one shape from the front end to the scheduler: every ``add_request`` of the
+    package (and of the tests' stand-in engines) takes one ``EngineRequest`` and nothing else; a
+    new kind of input is a field of ``EngineRequest``, not a parameter."""
+    found, bad = 0, []
+    for path in sorted([*PACKAGE.rglob("*.py"), *TESTS.rglob("*.py")]):
+        for line, shape in _add_request_signatures(path.read_text()):
+            found += 1
+            if shape != ["request: EngineRequest"]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} add_request({', '.join(shape)})")
+    assert found >= 2  # the engine's and the fake engine's
+    assert not bad, "add_request must take one EngineRequest:\n" + "\n".join(bad)
+
+
+def test_a_second_add_request_shape_is_found():
+    """The check itself."""
+    assert _add_request_signatures("def add_request(self, request: EngineRequest): ...") == [
+        (1, ["request: EngineRequest"])
+    ]
+    shape = _add_request_signatures("def add_request(self, ids, params=None, *, proposer=None):0")
+    assert shape == [(1, ["ids: ", "params: ", "proposer: "])]

@@ -13,11 +13,11 @@ stopped by the engine (except at ``max_model_len``). When its next-token logits 
 ``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
 ``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
 Paused sequences whose blocks waiting ones need are parked. A beam-search request
-(``beam_search=True``) is external too: its sequences are its beams, and ``provide_beams``
+(``EngineRequest.beam_search``) is external too: its sequences are its beams, and ``provide_beams``
 replaces them all at once by forks of them sharing KV blocks. ``ExternalSequences``
 (``core/external_sequences.py``) owns the paused, parked and forked sequences.
 
-Speculative decoding: a request added with a ``proposer`` (``spec/proposers.py``) verifies several
+Speculative decoding: a request with a ``proposer`` (``spec/proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
 (``spec/spec_decode.py``); its output is what it would be without the proposer.
 """
@@ -31,7 +31,7 @@ from itertools import count
 
 import torch
 
-from hf_paged.config import EngineConfig, SamplingParams
+from hf_paged.config import EngineConfig
 from hf_paged.engine.core.block_manager import BlockManager
 from hf_paged.engine.core.contracts import TakenTokens
 from hf_paged.engine.core.external_sequences import ExternalSequences
@@ -40,7 +40,7 @@ from hf_paged.engine.core.request import (
     EngineRequest,
     RequestGroup,
     RequestStream,
-    check_request_args,
+    check_request,
     resolve_max_tokens,
     validate_prompt,
 )  # fmt: skip
@@ -51,10 +51,10 @@ from hf_paged.engine.core.scheduler import Scheduler
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.engine.overlap import OverlapStepper
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
-from hf_paged.engine.spec.spec_decode import SpecDecoder, check_proposer
+from hf_paged.engine.spec.spec_decode import SpecDecoder
 from hf_paged.engine.stats import engine_stats
 from hf_paged.engine.stepping import Stepper, StepResult
-from hf_paged.engine.stop_strings import StopStrings, StopStringsCache
+from hf_paged.engine.stop_strings import StopStringsCache
 from hf_paged.engine.worker.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
@@ -135,53 +135,30 @@ class LLMEngine:
             prompt_token_ids, self.runtime.vocab_size, self.runtime.max_model_len
         )
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        request_id: int | str | None = None,
-        *,
-        prompt: str | None = None,
-        external_sampling: bool = False,
-        stop_strings: StopStrings | None = None,
-        proposer=None,
-        beam_search: bool = False,
-    ) -> int | str:
-        """Queue a request; returns its id.
-
-        Args:
-            stop_strings: a matcher for ``params.stop`` built with the caller's tokenizer;
-                None = built from the engine's tokenizer.
-            proposer: proposes speculative tokens for it (``NgramProposer``,
-                ``DraftModelProposer``); None = one token per step.
-            beam_search: an external request whose beams the caller sets with
-                ``provide_beams``; ``step`` reports its logits per beam (``StepResult.logits``).
+    def add_request(self, request: EngineRequest) -> int | str:
+        """Queue a request (its fields say what it needs: ``EngineRequest``); returns its id.
 
         Raises:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
         """
         self._check_open()
-        if proposer is not None:
-            check_proposer(proposer)
-            if self.num_state_slots:
-                raise ValueError(
-                    f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
-                    "layers, whose per-sequence state cannot take back rejected speculative "
-                    "tokens; allowed: proposer=None"
-                )
-        params = check_request_args(
-            params, self.runtime.vocab_size, external_sampling=external_sampling,
-            proposer=proposer, beam_search=beam_search,
-        )  # fmt: skip
-        ids = self.validate_prompt(prompt_token_ids)
+        params = check_request(request, self.runtime.vocab_size)
+        proposer = request.proposer
+        if proposer is not None and self.num_state_slots:
+            raise ValueError(
+                f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
+                "layers, whose per-sequence state cannot take back rejected speculative "
+                "tokens; allowed: proposer=None"
+            )
+        ids = self.validate_prompt(request.prompt_token_ids)
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
-        matcher = self._stop_matchers.get(params.stop, stop_strings, self.tokenizer)
-        rid = next(self._ids) if request_id is None else request_id
+        matcher = self._stop_matchers.get(params.stop, request.stop_strings, self.tokenizer)
+        rid = next(self._ids) if request.request_id is None else request.request_id
         req = RequestState.build(
-            rid, prompt, ids, params, external_sampling, self.runtime.eos_token_ids, matcher,
-            proposer,
+            rid, request.prompt, ids, params, request.external_sampling,
+            self.runtime.eos_token_ids, matcher, proposer,
         )  # fmt: skip
-        req.beam_search = beam_search
+        req.beam_search = request.beam_search
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)

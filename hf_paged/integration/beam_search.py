@@ -224,7 +224,7 @@ def _run(model, engine, call: PreparedCall):
     params = SamplingParams(temperature=0.0, max_tokens=gen.max_length - prompt_len)
     with engine.request_group() as batch:
         rids = [
-            batch.add(EngineRequest(p, params), external_sampling=True, beam_search=True)
+            batch.add(EngineRequest(p, params, external_sampling=True, beam_search=True))
             for p in call.prompts[::k]
         ]
         live, num_slots = list(range(num_rows)), 1  # rows in the engine; beams per request

@@ -34,7 +34,7 @@ def run_external(engine, call):
     prompt_tokens = sum(len(p) for p in call.prompts)
     with engine.request_group() as batch:
         for prompt in call.prompts:
-            batch.add(EngineRequest(prompt, params), external_sampling=True)
+            batch.add(EngineRequest(prompt, params, external_sampling=True))
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
         for step in range(call.max_new_tokens):

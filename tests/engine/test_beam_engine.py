@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.engine.spec.proposers import NgramProposer
 from hf_paged.integration import dispatch
@@ -71,7 +72,7 @@ def test_forked_beams_compute_what_the_model_computes_on_their_tokens(hf, kv):
     engine = make_engine(hf, num_kv_blocks=64 if kv == "roomy" else 9, max_model_len=32)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(6)], [rng.randrange(3, 256) for _ in range(9)]]
-    rids = [engine.add_request(p, PARAMS, external_sampling=True, beam_search=True)
+    rids = [engine.add_request(EngineRequest(p, PARAMS, external_sampling=True, beam_search=True))
             for p in prompts]  # fmt: skip
     beams = {rid: [list(p)] for rid, p in zip(rids, prompts)}
     got = logits_of(engine, {(rid, 0) for rid in rids})
@@ -102,8 +103,10 @@ def test_forked_beams_compute_what_the_model_computes_on_their_tokens(hf, kv):
 
 def test_provide_beams_refuses_bad_calls_and_changes_nothing(hf):
     engine = make_engine(hf)
-    beam = engine.add_request([5, 6, 7], PARAMS, external_sampling=True, beam_search=True)
-    plain = engine.add_request([5, 6, 7], PARAMS, external_sampling=True)
+    beam = engine.add_request(
+        EngineRequest([5, 6, 7], PARAMS, external_sampling=True, beam_search=True)
+    )
+    plain = engine.add_request(EngineRequest([5, 6, 7], PARAMS, external_sampling=True))
     with pytest.raises(ValueError, match="not a beam-search request"):
         engine.provide_beams([plain], [[0]], [[3]])
     with pytest.raises(ValueError, match="not every beam is waiting"):
@@ -122,10 +125,10 @@ def test_provide_beams_refuses_bad_calls_and_changes_nothing(hf):
     with pytest.raises(ValueError, match="ids must differ"):
         engine.provide_beams([beam, beam], [[0], [0]], [[3], [3]])
     with pytest.raises(ValueError, match="without external_sampling"):
-        engine.add_request([5], PARAMS, beam_search=True)
+        engine.add_request(EngineRequest([5], PARAMS, beam_search=True))
     with pytest.raises(ValueError, match="beams do not speculate"):  # no rollback of beams
-        engine.add_request([5], PARAMS, external_sampling=True, beam_search=True,
-                           proposer=NgramProposer(2))  # fmt: skip
+        engine.add_request(EngineRequest([5], PARAMS, external_sampling=True, beam_search=True,
+                           proposer=NgramProposer(2)))  # fmt: skip
     with pytest.raises(ValueError, match="provide_token is not allowed .* beam search"):
         engine.provide_token(beam, 3)  # one token for which beam?
     with pytest.raises(ValueError, match="reset_tokens is not allowed .* beam search"):

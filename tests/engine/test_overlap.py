@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged import LLM, SamplingParams
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.testing import hf_greedy, paged_greedy, spread_prompts
 from hf_paged.testing.parity import NEW_TOKENS
 
@@ -94,11 +95,11 @@ def test_sync_only_requests_mixed_in(variant):
     assert run(path, prompts, params, async_scheduling=True) == run(path, prompts, params)
     with LLM(path, async_scheduling=True, num_kv_blocks=64, kv_block_size=8) as llm:
         eng = llm.engine  # a greedy request in flight, then a penalised one joins
-        a = eng.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))
+        a = eng.add_request(EngineRequest([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6)))
         eng.step()
         eng.step()
-        b = eng.add_request([8, 9], SamplingParams(temperature=0.0, max_tokens=4,
-                                                   repetition_penalty=1.5))  # fmt: skip
+        b = eng.add_request(EngineRequest([8, 9], SamplingParams(temperature=0.0, max_tokens=4,
+                                                   repetition_penalty=1.5)))  # fmt: skip
         done = {}
         while eng.has_unfinished_requests():
             done.update({o.request_id: o for o in eng.step().finished})

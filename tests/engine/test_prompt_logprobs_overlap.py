@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged import LLM, SamplingParams
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.testing import make_prompts
 from tests.engine.logprob_checks import check, run
 
@@ -63,7 +64,9 @@ def test_async_abort_mid_prefill(logprob_model):
     with LLM(path, max_model_len=128, kv_block_size=8, num_kv_blocks=64,
              max_num_batched_tokens=16, async_scheduling=True) as llm:  # fmt: skip
         eng = llm.engine
-        rid = eng.add_request(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
+        rid = eng.add_request(
+            EngineRequest(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
+        )
         eng.step()
         eng.step()  # two chunks launched, scores of the first resolved
         eng.abort(rid)

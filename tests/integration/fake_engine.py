@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.core.outputs import CompletionOutput, RequestOutput
-from hf_paged.engine.core.request import RequestGroup, run, stream
+from hf_paged.engine.core.request import EngineRequest, RequestGroup, run, stream
 
 
 @dataclass
@@ -76,13 +76,12 @@ class FakeEngine:
         self.num_forward_rows = 0
         FakeEngine.instances.append(self)
 
-    def add_request(
-        self, prompt_token_ids, params, request_id=None, *, prompt=None, external_sampling=False,
-        stop_strings=None,
-    ):  # fmt: skip
+    def add_request(self, request: EngineRequest):
         if self.closed:
             raise RuntimeError("closed")
-        prompt = list(prompt_token_ids)
+        params, request_id = request.params, request.request_id
+        external_sampling, stop_strings = request.external_sampling, request.stop_strings
+        prompt = list(request.prompt_token_ids)
         if not prompt or any(not 0 <= t < self.runtime.vocab_size for t in prompt):
             raise ValueError(f"prompt_token_ids={prompt!r} is not allowed")
         rid = next(self._ids) if request_id is None else request_id

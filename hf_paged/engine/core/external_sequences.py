@@ -8,7 +8,7 @@ parked (``park_newest``): its blocks are freed and it stays paused with status W
 recomputed only once its token arrives (``_resume``). Recomputing it before would hand out the
 same logits again, and could starve the sequences still waiting for theirs.
 
-A beam-search request (``add_request(..., external_sampling=True, beam_search=True)``) starts
+A beam-search request (``EngineRequest(..., external_sampling=True, beam_search=True)``) starts
 with one sequence. Each time all its beams have their next-token logits (``StepResult.logits``
 by ``(request_id, beam index)``), the caller gives every such request its next beams in one
 ``provide_beams`` call: beam ``j`` continues old beam ``parents[j]`` with ``token_ids[j]``. The

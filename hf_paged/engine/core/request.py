@@ -16,21 +16,42 @@ import dataclasses
 import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.proposer import Proposer, check_proposer
+from hf_paged.engine.core.stop import StopMatcher
 
 
 @dataclass
 class EngineRequest:
-    """One prompt to run: what ``LLMEngine.add_request`` takes."""
+    """One request, in the one shape it has from a front end to the scheduler: what
+    ``LLMEngine.add_request`` takes (vLLM's ``EngineCoreRequest``).
 
+    A new kind of input is a new field with a default that means "not used" (None or False), so
+    that every caller built before it is unchanged; ``check_request`` checks how it combines
+    with the others.
+    """
+
+    # the prompt's token ids: a list, tuple, or 1-D tensor / numpy array of ints
     prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None  # the text the ids came from, echoed in the RequestOutput
-    stop_strings: object | None = None  # StopStrings for ``params.stop``; None = engine's own
-    proposer: object | None = None  # speculative tokens' proposer (``engine/spec/proposers.py``)
+    # how to sample and when to stop (None: ``SamplingParams()``'s defaults)
+    params: SamplingParams | None = field(default_factory=SamplingParams)
+    # the text the ids came from, echoed in the RequestOutput
+    prompt: str | None = None
+    # the id the engine reports it under; None: the engine numbers it
+    request_id: int | str | None = None
+    # matches ``params.stop`` (built with the caller's tokenizer); None: built from the engine's
+    stop_strings: StopMatcher | None = None
+    # proposes speculative tokens each step (``engine/spec/proposers.py``); None: one per step
+    proposer: Proposer | None = None
+    # the caller samples: ``step`` hands out its next-token logits and the sequence waits for
+    # ``provide_token``; the engine never samples or stops it (but at ``max_model_len``)
+    external_sampling: bool = False
+    # (with ``external_sampling``) its sequences are beams the caller replaces at once with
+    # ``provide_beams``; ``step`` hands out their logits per beam
+    beam_search: bool = False
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:
@@ -76,36 +97,50 @@ def _is_array(x) -> bool:
     return numpy is not None and isinstance(x, numpy.ndarray)
 
 
-def check_request_args(params, vocab_size: int, *, external_sampling: bool, proposer,
-                       beam_search: bool) -> SamplingParams:  # fmt: skip
-    """``add_request``'s checks on its arguments but the prompt; returns the params (None =
+def check_request(request: EngineRequest, vocab_size: int) -> SamplingParams:
+    """``add_request``'s checks on a request but its prompt; returns its params (None =
     defaults).
 
     Raises:
-        TypeError: ``params`` is not a SamplingParams.
+        TypeError: ``request`` is not an EngineRequest, its ``params`` not a SamplingParams,
+            or its proposer has not the ``Proposer`` methods.
         ValueError: ``prompt_logprobs_next`` outside the vocabulary, ``n != 1`` or a proposer
             with external sampling, beam search without external sampling.
     """
-    params = SamplingParams() if params is None else params
+    check_request_type(request, "request")
+    params = SamplingParams() if request.params is None else request.params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params={params!r} is not allowed: must be SamplingParams")
     nxt = params.prompt_logprobs_next
     if nxt is not None and nxt >= vocab_size:
         raise ValueError(f"prompt_logprobs_next={nxt} is not allowed: must be in [0, {vocab_size})")
-    if external_sampling and params.n != 1:
+    external, beam_search, proposer = (
+        request.external_sampling,
+        request.beam_search,
+        request.proposer,
+    )
+    if external and params.n != 1:
         raise ValueError(f"n={params.n} is not allowed with external sampling: must be 1")
-    if beam_search and not external_sampling:
+    if beam_search and not external:
         raise ValueError("beam_search=True is not allowed without external_sampling=True")
+    if proposer is not None:
+        check_proposer(proposer)
     if proposer is not None and beam_search:
         raise ValueError(
             "proposer=... is not allowed with beam_search=True: beams do not speculate"
         )
-    if proposer is not None and external_sampling:
+    if proposer is not None and external:
         raise ValueError(
             "proposer=... is not allowed with external_sampling=True: the caller samples each "
             "token itself"
         )
     return params
+
+
+def check_request_type(request, name: str) -> None:
+    """TypeError naming ``name`` unless ``request`` is an EngineRequest."""
+    if not isinstance(request, EngineRequest):
+        raise TypeError(f"{name}={request!r} is not allowed: must be an EngineRequest")
 
 
 def _check_each_id(ids: list, vocab_size: int) -> None:
@@ -123,9 +158,10 @@ def _check_each_id(ids: list, vocab_size: int) -> None:
         ids[pos] = operator.index(t)
 
 
-def budget(params: SamplingParams) -> int:
+def budget(params: SamplingParams | None) -> int:
     """Most tokens a request can generate (the unit of ``stream``'s progress callback); 0 for
     ``max_tokens=None`` (no bound known before the engine resolves it)."""
+    params = SamplingParams() if params is None else params
     return (params.max_tokens or 0) * params.n
 
 
@@ -174,21 +210,11 @@ class RequestGroup:
         """Requests added and not yet reported finished."""
         return len(self._open)
 
-    def add(self, request: EngineRequest, *, external_sampling: bool = False,
-            beam_search: bool = False):  # fmt: skip
-        """Queue one request; returns its id. Raises TypeError for anything but an
-        ``EngineRequest``, and what ``add_request`` raises (nothing queued)."""
-        _check_request(request, "request")
-        kwargs = {"external_sampling": external_sampling}
-        if beam_search:
-            kwargs["beam_search"] = True
-        if request.prompt is not None:
-            kwargs["prompt"] = request.prompt
-        if request.stop_strings is not None:
-            kwargs["stop_strings"] = request.stop_strings
-        if request.proposer is not None:
-            kwargs["proposer"] = request.proposer
-        rid = self.engine.add_request(request.prompt_token_ids, request.params, **kwargs)
+    def add(self, request: EngineRequest):
+        """Queue one request (``LLMEngine.add_request``); returns its id. Raises TypeError for
+        anything but an ``EngineRequest``, and what ``add_request`` raises (nothing queued)."""
+        check_request_type(request, "request")
+        rid = self.engine.add_request(request)
         self.rids.append(rid)
         self._open.add(rid)
         _groups_of(self.engine)[rid] = self
@@ -278,11 +304,6 @@ class RequestGroup:
 _END = object()  # the end of ``stream``'s input
 
 
-def _check_request(request, name: str) -> None:
-    if not isinstance(request, EngineRequest):
-        raise TypeError(f"{name}={request!r} is not allowed: must be an EngineRequest")
-
-
 def _groups_of(engine) -> dict:
     """Request id -> the open ``RequestGroup`` that added it, kept on the engine (any object with
     a ``__dict__``, so stand-in engines too); an id leaves when its finished output is recorded."""
@@ -361,7 +382,7 @@ def _stream(engine, it, max_in_flight, progress):
                 if req is _END:
                     exhausted = True
                     break
-                _check_request(req, f"requests[{num_added}]")  # a None once ended the input
+                check_request_type(req, f"requests[{num_added}]")  # a None once ended the input
                 rid = group.add(req)
                 index_of[rid], budget_of[rid] = num_added, budget(req.params)
                 num_added += 1

@@ -16,6 +16,7 @@ from hf_paged.config import SamplingParams
 from hf_paged.engine.core.contracts import ScheduledChunk
 from hf_paged.engine.core.outputs import CompletionOutput, RequestOutput
 from hf_paged.engine.core.prompt_logprobs import PromptLogprobState
+from hf_paged.engine.core.proposer import Proposer
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.engine.core.stop import StopMatcher, check_stop
 
@@ -44,7 +45,7 @@ class RequestState:
     stop_strings: StopMatcher | None = None  # matcher for params.stop
     prompt_lps: PromptLogprobState | None = None  # with params.prompt_logprobs (seqs[0] scores)
     logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> per-token logprobs
-    proposer: object | None = None  # proposes speculative tokens (``engine/spec/proposers.py``)
+    proposer: Proposer | None = None  # proposes speculative tokens (``engine/spec/proposers.py``)
     # external beam search: ``seqs`` are its beams, replaced each step by ``provide_beams``
     beam_search: bool = False
 
@@ -52,7 +53,7 @@ class RequestState:
     def build(
         cls, request_id, prompt: str | None, ids: list[int], params: SamplingParams,
         external: bool, eos_token_ids: tuple[int, ...], stop_strings: StopMatcher | None,
-        proposer=None,
+        proposer: Proposer | None = None,
     ) -> RequestState:  # fmt: skip
         """A new request's state: ``params.n`` sequences of ``ids``, its stop ids (the model's
         EOS ids unless ``ignore_eos``, then ``stop_token_ids``) and prompt-logprob state. A

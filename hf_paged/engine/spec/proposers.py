@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.layers.sampler import (
     SamplingMetadata,
@@ -273,7 +274,7 @@ class DraftModelProposer:
             except ValueError:  # its prompt is no longer a prefix: start it again
                 self.engine.abort(rid)
         self._rid[seq.seq_id] = self.engine.add_request(
-            seq.token_ids, self._params, external_sampling=True
+            EngineRequest(seq.token_ids, self._params, external_sampling=True)
         )
 
     def _collect(self, rids: list) -> torch.Tensor:

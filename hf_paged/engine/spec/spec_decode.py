@@ -31,18 +31,6 @@ from hf_paged.layers.rejection_sampler import accept_matching, rejection_sample
 from hf_paged.layers.sampler import apply_penalties, sampling_probs, token_logprobs
 
 
-def check_proposer(proposer) -> None:
-    """TypeError unless ``proposer`` has ``propose``, ``observe`` and ``release``."""
-    missing = [
-        m for m in ("propose", "observe", "release") if not callable(getattr(proposer, m, None))
-    ]
-    if missing:
-        raise TypeError(
-            f"proposer={proposer!r} is not allowed: it has no {missing} method(s) (see "
-            "hf_paged.engine.spec.proposers)"
-        )
-
-
 class SpecDecoder:
     """The engine's speculative part: which sequences propose, and what a step keeps.
 

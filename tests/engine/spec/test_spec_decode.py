@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.engine.core.block_manager import hash_block
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.spec.proposers import DraftModelProposer, NgramProposer, Proposal
 from hf_paged.testing import save_tiny_model
 
@@ -237,7 +238,9 @@ def test_reset_tokens_keeps_the_common_prefix_kv(target):
     llm, _ = target
     eng = llm.engine
     prompt = list(range(10, 19))  # 9 tokens
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=1), external_sampling=True)
+    rid = eng.add_request(
+        EngineRequest(prompt, SamplingParams(max_tokens=1), external_sampling=True)
+    )
     while not eng.awaits_token(rid):
         eng.step()
     seq = eng.requests.by_id[rid].seqs[0]
@@ -255,7 +258,9 @@ def test_reset_tokens_keeps_the_common_prefix_kv(target):
     eng.reset_tokens(rid, new)
     assert seq.token_ids == new and (seq.num_computed_tokens, len(seq.block_table)) == (8, 2)
     res = eng.step()
-    fresh = eng.add_request(new, SamplingParams(max_tokens=1), external_sampling=True)
+    fresh = eng.add_request(
+        EngineRequest(new, SamplingParams(max_tokens=1), external_sampling=True)
+    )
     res2 = eng.step()
     torch.testing.assert_close(res.logits[(rid, 0)], res2.logits[(fresh, 0)], atol=1e-4, rtol=1e-4)
     assert eng.awaits_token(rid) and seq.num_computed_tokens == 11
@@ -353,7 +358,7 @@ def test_spec_and_plain_requests_share_steps(gpu_paths):
     with LLM(target, **dict(GPU_ENGINE, dtype="float32")) as llm:
         plain = [o.token_ids for o in llm.generate(batch, gpu_greedy(), use_tqdm=False)]
         eng, prop = llm.engine, NgramProposer(8, backoff=False)
-        rids = [eng.add_request(p, gpu_greedy(), proposer=prop if i % 2 else None)
+        rids = [eng.add_request(EngineRequest(p, gpu_greedy(), proposer=prop if i % 2 else None))
                 for i, p in enumerate(batch)]  # fmt: skip
         done = {}
         while eng.has_unfinished_requests():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_paged.attention import get_backend
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.layers.context import ModelContext
 from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.recurrent.state_pool import StatePool
@@ -149,4 +150,4 @@ def test_speculative_proposer_is_refused_by_name(tmp_path):
         assert llm.stats["state_slot_bytes"] > 0
         assert not llm.engine.config.enable_prefix_caching
         with pytest.raises(ValueError, match="proposer=NgramProposer is not allowed"):
-            llm.engine.add_request([5, 6, 7], proposer=NgramProposer(2, 2))
+            llm.engine.add_request(EngineRequest([5, 6, 7], proposer=NgramProposer(2, 2)))

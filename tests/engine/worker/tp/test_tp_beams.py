@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.testing import save_tiny_model
 
@@ -24,7 +25,9 @@ def test_tp2_forked_beams_compute_the_models_logits(tmp_path):
     rng = random.Random(0)
     prompt = [rng.randrange(3, 256) for _ in range(6)]
     with LLMEngine(path, config) as engine:
-        rid = engine.add_request(prompt, PARAMS, external_sampling=True, beam_search=True)
+        rid = engine.add_request(
+            EngineRequest(prompt, PARAMS, external_sampling=True, beam_search=True)
+        )
         beams, want = [prompt], {(rid, 0)}
         for parents in [*ROUNDS, None]:
             got = {}
