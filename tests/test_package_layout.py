@@ -219,7 +219,8 @@ def test_a_cycle_is_found():
     "code",
     [
         "import hf_paged.engine.core.scheduler, hf_paged.engine.core.block_manager, "
-        "hf_paged.engine.core.request, hf_paged.engine.core.request_state, "
+        "hf_paged.engine.core.request, hf_paged.engine.core.request_loop, "
+        "hf_paged.engine.core.request_state, "
         "hf_paged.engine.core.contracts, hf_paged.engine.core.stop",
         "import hf_paged",
         "from hf_paged.entrypoints.cli import build_parser; build_parser().format_help()",

@@ -5,7 +5,7 @@ shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one f
 whatever the scheduler picked (prefill chunks and decodes mixed), applies the stop rule to the
 tokens the step appended (``_take_tokens``, the one place a sequence stops) and reports finished
 requests. Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act
-between steps; see ``core/request.py``), which abort and drain what is in flight when the caller
+between steps; see ``core/request_loop.py``), which abort and drain what is in flight when the caller
 stops early.
 
 External sampling (used by the HF ``generate`` integration): such a request is never sampled or
@@ -38,14 +38,13 @@ from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import (
     EngineRequest,
-    RequestGroup,
-    RequestStream,
     check_request,
     resolve_max_tokens,
     validate_prompt,
 )  # fmt: skip
-from hf_paged.engine.core.request import run as _run_requests
-from hf_paged.engine.core.request import stream as _stream_requests
+from hf_paged.engine.core.request_loop import RequestGroup, RequestStream
+from hf_paged.engine.core.request_loop import run as _run_requests
+from hf_paged.engine.core.request_loop import stream as _stream_requests
 from hf_paged.engine.core.request_state import RequestState, RequestTable
 from hf_paged.engine.core.scheduler import Scheduler
 from hf_paged.engine.core.sequence import Sequence

@@ -38,7 +38,8 @@ from transformers.generation.logits_process import PrefixConstrainedLogitsProces
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.core.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.core.request_loop import RequestGroup
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import check_fits
 from hf_paged.integration.prepare import PreparedCall

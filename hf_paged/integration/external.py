@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from hf_paged.config import SamplingParams
-from hf_paged.engine.core.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.core.request_loop import RequestGroup
 
 
 def run_external(engine, call):

@@ -24,7 +24,22 @@ from transformers.generation.logits_process import (
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.core.outputs import CompletionOutput, RequestOutput
-from hf_paged.engine.core.request import EngineRequest, RequestGroup, run, stream
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.core.request_loop import RequestGroup, run, stream
+
+
+class _RequestTable(dict):
+    """request id -> _Req, with the real table's record of which group added each request."""
+
+    def __init__(self):
+        super().__init__()
+        self._groups: dict = {}
+
+    def join_group(self, request_id, group) -> None:
+        self._groups[request_id] = group
+
+    def leave_group(self, request_id):
+        return self._groups.pop(request_id, None)
 
 
 @dataclass
@@ -70,7 +85,7 @@ class FakeEngine:
         self.tokenizer = None
         self.prefill_steps = prefill_steps or (lambda prompt: 1 + len(prompt) % 3)
         self._ids = count()
-        self.requests: dict[int, _Req] = {}
+        self.requests = _RequestTable()
         self.closed = False
         self.num_added = 0
         self.num_forward_rows = 0

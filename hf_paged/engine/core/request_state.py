@@ -112,6 +112,10 @@ class RequestTable:
         by_id: request id -> RequestState, until the request is reported.
         num_sync: requests in the table that overlapped stepping cannot serve.
         num_spec: requests in the table with a proposer.
+
+    It also keeps which open ``RequestGroup`` (``request_loop.py``) added each request, so that
+    a request finished by another group's step is recorded in its own (``join_group`` /
+    ``leave_group``); a request id leaves when its group records its output.
     """
 
     def __init__(self, new_generator: Callable[[int], object]):
@@ -120,6 +124,7 @@ class RequestTable:
         self._by_seq: dict[int, RequestState] = {}
         self._generators: dict[int, object] = {}  # seq_id -> its seeded generator
         self._maybe_done: set[int] = set()  # seq ids finished since the last ``take_done``
+        self._groups: dict = {}  # request id -> the open RequestGroup that added it
         self.num_sync = 0
         self.num_spec = 0
 
@@ -147,6 +152,14 @@ class RequestTable:
             self._by_seq[seq.seq_id] = req
         for seq, g in zip(req.seqs, generators):
             self._generators[seq.seq_id] = g
+
+    def join_group(self, request_id, group) -> None:
+        """``group`` added ``request_id``: its output goes there."""
+        self._groups[request_id] = group
+
+    def leave_group(self, request_id):
+        """The group that added ``request_id`` (None: none is open), forgotten now."""
+        return self._groups.pop(request_id, None)
 
     def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
         """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""

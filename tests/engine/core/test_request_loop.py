@@ -1,4 +1,4 @@
-"""The engine's one request loop (``engine/request.py``): ``stream`` yields every request once with
+"""The engine's one request loop (``engine/core/request_loop.py``): ``stream`` yields every request once with
 its input index, ``run`` keeps input order, at most ``max_in_flight`` requests are in the engine,
 and whatever ends the consumer early (an exception, Ctrl-C, ``close()``, a failing input
 iterator) aborts what is in flight and frees every KV block. Also the pure stop rule, stop
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.core.request import EngineRequest, RequestGroup
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.core.request_loop import RequestGroup
 from hf_paged.engine.core.stop import check_stop
 from hf_paged.testing import save_demo_model
 
