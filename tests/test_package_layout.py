@@ -396,3 +396,110 @@ def test_a_second_add_request_shape_is_found():
     ]
     shape = _add_request_signatures("def add_request(self, ids, params=None, *, proposer=None):0")
     assert shape == [(1, ["ids: ", "params: ", "proposer: "])]
+
+
+# ---- one owner per piece of state -------------------------------------------------------------
+
+# writes into another object's ``__dict__`` or ``_private`` attributes that are allowed: each on a
+# foreign object (torch, transformers, lm-eval) at the edge where the package adapts it, keyed by
+# (file, the object written), with why
+FOREIGN_WRITES = {
+    ("hf_paged/distributed/process_group.py", "opts._timeout"):
+        "torch's ProcessGroup options have no public setter",
+    ("hf_paged/distributed/process_group.py", "opts._devices"):
+        "torch's ProcessGroupGloo options have no public setter",
+    ("hf_paged/integration/auto.py", "skeleton.config._name_or_path"):
+        "a transformers config's path, as from_pretrained sets it",
+    ("hf_paged/integration/client_timings.py", "timed._hf_paged_span"):
+        "a wrapper function the module itself built",
+    ("hf_paged/integration/engine_owner.py", "model.__dict__"):
+        "the engine owner on a user's HF model, as a plain attribute (not a submodule)",
+    ("hf_paged/integration/lm_eval/install.py", "hflm_cls._loglikelihood_tokens"):
+        "lm-eval's HFLM method patched (and restored) by install / uninstall",
+    ("hf_paged/integration/pipeline/capture.py", "view.__dict__"):
+        "a throwaway copy of a transformers pipeline",
+    ("hf_paged/models/generic/adapters/alibi.py", "module.__dict__"):
+        "a cached tensor on an HF module (not a buffer, not a submodule)",
+    ("hf_paged/models/generic/adapters/roformer.py", "module.__dict__"):
+        "a checked-once flag on an HF module",
+    ("hf_paged/models/generic/model.py", "modules[name].__dict__"):
+        "an HF attention module's binding to its paged layer",
+    ("hf_paged/models/generic/model.py", "module._buffers"):
+        "an HF module's buffer replaced in place (torch has no public setter)",
+    ("hf_paged/models/generic/build.py", "module._buffers"):
+        "meta buffers of an HF module materialised (torch has no public setter)",
+    ("hf_paged/models/generic/fusions.py", "m.__dict__"):
+        "a fused HF linear's group, without registering a submodule",
+    ("hf_paged/models/generic/tp.py", "mod._parameters"):
+        "an HF module's parameter replaced by its shard",
+    ("hf_paged/models/generic/tp.py", "module.__dict__"):
+        "an HF module's communicator, without registering a submodule",
+    ("hf_paged/models/generic/weights.py", "model.get_submodule(owner)._parameters"):
+        "a tied HF parameter shared in place",
+}  # fmt: skip
+_DICT_WRITERS = ("update", "setdefault", "pop", "popitem", "clear", "__setitem__")
+
+
+def _foreign_writes(source: str) -> list[tuple[int, str]]:
+    """``(line, object written)`` for every write into another object's state: ``x._a = v``,
+    ``x._a[k] = v``, ``del x._a``, ``x.__dict__[k] = v`` and ``x.__dict__.update(...)`` (and
+    the other mutating dict methods), where ``x`` is not ``self`` / ``cls``."""
+    found = []
+
+    def foreign(node) -> bool:
+        return not (isinstance(node, ast.Name) and node.id in ("self", "cls"))
+
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            inner = node.func.value
+            if node.func.attr in _DICT_WRITERS and isinstance(inner, ast.Attribute):
+                if inner.attr == "__dict__" and foreign(inner.value):
+                    found.append((node.lineno, ast.unparse(inner)))
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                if not isinstance(t, ast.Attribute) or not foreign(t.value):
+                    continue
+                private = t.attr.startswith("_") and not t.attr.startswith("__")
+                if private or t.attr == "__dict__":
+                    found.append((node.lineno, ast.unparse(t)))
+    return sorted(found)
+
+
+def test_no_object_writes_another_objects_state():
+    """The owner of a piece of state is the only one who writes it: no module writes another
+    object's ``_private`` attributes or its ``__dict__`` (a table hung on an engine, a queue
+    edited from outside its scheduler), but for the foreign objects listed in
+    ``FOREIGN_WRITES``."""
+    seen, found = set(), []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for line, what in _foreign_writes(path.read_text()):
+            seen.add((rel, what))
+            if (rel, what) not in FOREIGN_WRITES:
+                found.append(f"{rel}:{line} writes {what}")
+    assert not found, "writes into another object's state:\n" + "\n".join(found)
+    stale = sorted(set(FOREIGN_WRITES) - seen)
+    assert not stale, f"FOREIGN_WRITES lists writes that are gone: {stale}"
+
+
+def test_a_foreign_write_is_found():
+    """The check itself: the shapes of such a write are seen; one's own state is not."""
+    source = (
+        "engine.__dict__.setdefault('t', {})\n"
+        "engine.__dict__['t'] = 1\n"
+        "sched._queue.append(1)\n"  # a call on it is a read of the attribute: not seen
+        "sched._queue = []\n"
+        "sched._table[k] = v\n"
+        "self._mine = 1\n"
+        "engine.public = 1\n"
+    )
+    assert _foreign_writes(source) == [
+        (1, "engine.__dict__"), (2, "engine.__dict__"), (4, "sched._queue"), (5, "sched._table")
+    ]  # fmt: skip

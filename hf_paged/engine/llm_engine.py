@@ -115,7 +115,8 @@ class LLMEngine:
             self.scheduler, self.block_manager, self.requests, self.runtime.vocab_size,
             self.runtime.max_model_len,
         )  # fmt: skip
-        self._overlap = (
+        # the overlapped stepper; None: every step synchronous
+        self.overlap = (
             OverlapStepper(self.executor, self.scheduler, self.profile) if overlap else None
         )
         self._stop_matchers = StopStringsCache()
@@ -124,7 +125,7 @@ class LLMEngine:
         self.spec = SpecDecoder(
             self.requests, self.runtime.max_model_len, self.runtime.vocab_size, spec_generator
         )
-        self._stepper = Stepper(self, self._overlap, self.spec)
+        self._stepper = Stepper(self, self.overlap, self.spec)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -225,10 +226,10 @@ class LLMEngine:
         logits of external-sampling requests."""
         self._check_open()
         result = StepResult()
-        overlap = self._overlap is not None and not self.requests.num_sync
-        if self._overlap is not None and not overlap:
+        overlapped = self.overlap is not None and not self.requests.num_sync
+        if self.overlap is not None and not overlapped:
             # a synchronous step needs every token on the host
-            self._take_tokens(self._stepper.resolved(self._overlap.drain()))
+            self._take_tokens(self._stepper.resolved(self.overlap.drain()))
         with self.profile.section("schedule"):
             if self.requests.num_spec:  # such requests step synchronously: tokens on the host
                 self.spec.propose(self.scheduler.running)
@@ -238,9 +239,9 @@ class LLMEngine:
                 out = self.scheduler.schedule()
         with self.profile.section("step_total"):
             if out.is_empty:
-                if self._overlap is not None:
-                    self._take_tokens(self._stepper.resolved(self._overlap.drain()))
-            elif overlap:
+                if self.overlap is not None:
+                    self._take_tokens(self._stepper.resolved(self.overlap.drain()))
+            elif overlapped:
                 launched, resolution = self._stepper.launch(out, result)
                 self._take_tokens(launched)
                 self._take_tokens(self._stepper.resolved(resolution))
@@ -291,7 +292,7 @@ class LLMEngine:
     def _collect_finished(self, result: StepResult) -> None:
         """Report requests whose last sequence finished (only those touched since last time);
         with overlapped stepping, not before their last token reached the host."""
-        ready = self._overlap.ready if self._overlap is not None else None
+        ready = self.overlap.ready if self.overlap is not None else None
         for req in self.requests.take_done(ready):
             result.finished.append(req.output(self.tokenizer))
 

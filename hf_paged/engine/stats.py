@@ -8,7 +8,7 @@ def engine_stats(engine) -> dict:
     """Scheduler, block-manager, speculative-decoding and (with ``HF_PAGED_PROFILE=1``)
     per-section timing counters of ``engine``."""
     bm, sched, spec = engine.block_manager, engine.scheduler, engine.spec
-    overlap = engine._overlap
+    overlap = engine.overlap
     return {
         "num_preemptions": sched.num_preemptions,
         "num_parked": engine.external.num_parked,  # paused (external) sequences preempted

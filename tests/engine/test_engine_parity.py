@@ -125,7 +125,7 @@ def gpu_ours(path, ps, **kw):
     cfg.update(kw)
     with LLM(path, **cfg) as llm:
         assert llm.engine.executor.runner.attn_backend.name == "triton"
-        assert (llm.engine._overlap is not None) == cfg.get("async_scheduling", True)
+        assert (llm.engine.overlap is not None) == cfg.get("async_scheduling", True)
         graphs = llm.engine.executor.runner.graph_runner is not None
         return [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)], graphs
 

@@ -122,9 +122,9 @@ def test_default_is_auto_sync_on_cpu(variant):
 
     with LLM(variant[0]) as llm:
         assert llm.engine.config.async_scheduling is None
-        assert llm.engine._overlap is None  # CPU: nothing to hide
+        assert llm.engine.overlap is None  # CPU: nothing to hide
     with LLM(variant[0], async_scheduling=True) as llm:
-        assert llm.engine._overlap is not None
+        assert llm.engine.overlap is not None
 
 
 def test_stop_on_the_token_before_the_length_limit(variant):

@@ -28,7 +28,7 @@ from __future__ import annotations
 from hf_paged.engine.core.block_manager import BlockManager
 from hf_paged.engine.core.request_state import RequestState, RequestTable
 from hf_paged.engine.core.scheduler import Scheduler
-from hf_paged.engine.core.sequence import Sequence, SequenceStatus
+from hf_paged.engine.core.sequence import Sequence
 
 
 class ExternalSequences:
@@ -60,7 +60,7 @@ class ExternalSequences:
 
     def pause(self, seq: Sequence) -> None:
         """``seq`` (running, its logits handed out) holds its blocks and waits for its token."""
-        self.scheduler.running.remove(seq)
+        self.scheduler.pause(seq)
         self.paused[seq.seq_id] = seq
 
     def forget(self, seq: Sequence) -> None:
@@ -104,10 +104,7 @@ class ExternalSequences:
 
     def resume(self, seq: Sequence) -> None:
         """A sequence that got its token goes on: running, or (parked) recomputed."""
-        if seq.status == SequenceStatus.WAITING:
-            self.scheduler.add(seq)
-        else:
-            self.scheduler.running.append(seq)
+        self.scheduler.resume(seq)
 
     def reset_tokens(self, request_id, token_ids: list[int]) -> None:
         """Make an external request's sequence hold exactly ``token_ids`` (its prompt first).

@@ -268,6 +268,19 @@ class Scheduler:
             seq.num_computed_tokens = kept
             seq.num_cached_tokens = min(seq.num_cached_tokens, kept)
 
+    def pause(self, seq: Sequence) -> None:
+        """Take running ``seq`` out of the schedule; it keeps its blocks (an external request
+        waiting for its caller's token)."""
+        self.running.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Schedule a paused ``seq`` again: running, or waiting when its blocks were freed
+        meanwhile (``reset_for_recompute``)."""
+        if seq.status == SequenceStatus.WAITING:
+            self.add(seq)
+        else:
+            self.running.append(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` FINISHED with ``reason``, free its blocks, drop it from the queues.
 
