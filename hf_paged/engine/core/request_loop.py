@@ -30,13 +30,20 @@ class RequestGroup:
     request finished by another group's step is recorded in its own group (the engine's request
     table keeps which group added each request: ``RequestTable.join_group``).
 
+    Args:
+        engine: the engine the group's requests run in.
+        keep_outputs: keep every reported output (``outputs``, ``take_finished``); False for a
+            long-lived group whose requests end aborted (a draft model's): nothing piles up.
+
     Attributes:
-        rids: request ids in the order they were added.
-        outputs: request id -> RequestOutput, once the engine reported it.
+        rids: request ids in the order they were added (with ``keep_outputs``).
+        outputs: request id -> RequestOutput, once the engine reported it (with
+            ``keep_outputs``).
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, keep_outputs: bool = True):
         self.engine = engine
+        self.keep_outputs = keep_outputs
         self.rids: list = []
         self.outputs: dict = {}
         self._open: set = set()
@@ -52,7 +59,8 @@ class RequestGroup:
         anything but an ``EngineRequest``, and what ``add_request`` raises (nothing queued)."""
         check_request_type(request, "request")
         rid = self.engine.add_request(request)
-        self.rids.append(rid)
+        if self.keep_outputs:
+            self.rids.append(rid)
         self._open.add(rid)
         self.engine.requests.join_group(rid, self)
         return rid
@@ -70,8 +78,9 @@ class RequestGroup:
     def _record(self, out: RequestOutput) -> None:
         if out.request_id in self._open:
             self._open.discard(out.request_id)
-            self.outputs[out.request_id] = out
-            self._new.append(out)
+            if self.keep_outputs:
+                self.outputs[out.request_id] = out
+                self._new.append(out)
 
     def await_logits(self, keys, budget: int) -> dict:
         """Step until every ``(request_id, beam)`` of ``keys`` has its next-token logits (an
@@ -89,12 +98,12 @@ class RequestGroup:
                 return got
             res = self.step()
             got.update((key, row) for key, row in res.logits.items() if key in want)
-            ended = [rid for rid in rids if rid in self.outputs]
+            ended = [rid for rid in rids if rid not in self._open]
             if ended:
-                out = self.outputs[ended[0]]
+                out = self.outputs.get(ended[0])
+                reason = out.outputs[0].finish_reason if out is not None else None
                 raise RuntimeError(
-                    f"the engine ended request {ended[0]!r} itself "
-                    f"(finish_reason={out.outputs[0].finish_reason!r})"
+                    f"the engine ended request {ended[0]!r} itself (finish_reason={reason!r})"
                 )
         if want <= got.keys():
             return got

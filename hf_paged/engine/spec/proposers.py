@@ -24,6 +24,7 @@ import torch
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
+from hf_paged.engine.core.request_loop import RequestGroup
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.layers.sampler import (
     SamplingMetadata,
@@ -197,6 +198,9 @@ class DraftModelProposer:
         self.confidence_threshold = confidence_threshold or None
         self.generator = generator
         self._rid: dict[int, object] = {}  # target seq_id -> its request id in ``engine``
+        # the draft requests, driven by the request loop (its outputs are not kept: every draft
+        # request ends aborted)
+        self._group = RequestGroup(self.engine, keep_outputs=False)
         self._k: dict[int, int] = {}  # target seq_id -> tokens to draft (heuristic schedules)
         self._params = SamplingParams(temperature=0.0, max_tokens=1)  # never read: external
 
@@ -220,7 +224,7 @@ class DraftModelProposer:
         # logits at once (the others are drafted for again later, from the draft's prefix cache)
         live = {items[i].seq.seq_id for i in active}
         for sid in [s for s in self._rid if s not in live]:
-            self.engine.abort(self._rid.pop(sid))
+            self._group.close(self._rid.pop(sid))
         for i in active:
             self._sync(items[i].seq)
         # draws come from the target requests' generators: on the target's device
@@ -260,7 +264,7 @@ class DraftModelProposer:
         self._k.pop(seq.seq_id, None)
         rid = self._rid.pop(seq.seq_id, None)
         if rid is not None:
-            self.engine.abort(rid)
+            self._group.close(rid)
 
     # ---- the draft engine ---------------------------------------------------------------
 
@@ -272,22 +276,21 @@ class DraftModelProposer:
                 self.engine.reset_tokens(rid, seq.token_ids)
                 return
             except ValueError:  # its prompt is no longer a prefix: start it again
-                self.engine.abort(rid)
-        self._rid[seq.seq_id] = self.engine.add_request(
+                self._group.close(rid)
+        self._rid[seq.seq_id] = self._group.add(
             EngineRequest(seq.token_ids, self._params, external_sampling=True)
         )
 
     def _collect(self, rids: list) -> torch.Tensor:
         """Step the draft engine until every request of ``rids`` waits with its next-token
-        logits; ``[len(rids), V]`` raw logits (float32, the draft engine's device)."""
-        got: dict = {}
+        logits; ``[len(rids), V]`` raw logits (float32, the draft engine's device).
+
+        Raises:
+            RuntimeError: the draft engine made no progress (``RequestGroup.await_logits``)."""
         eng = self.engine
-        for _ in range(4 * len(rids) + sum(len(eng.requests.by_id[r].seqs[0]) for r in rids)):
-            if len(got) == len(rids) and all(eng.awaits_token(r) for r in rids):
-                return torch.stack([got[r] for r in rids])
-            res = eng.step()
-            got.update((r, x) for (r, _), x in res.logits.items() if r in rids)
-        raise RuntimeError(f"the draft engine made no progress on {len(rids)} request(s)")
+        budget = 4 * len(rids) + sum(len(eng.requests.by_id[r].seqs[0]) for r in rids)
+        got = self._group.await_logits([(r, 0) for r in rids], budget)
+        return torch.stack([got[(r, 0)] for r in rids])
 
     def _draw(self, logits: torch.Tensor, items: list[ProposalRequest], drafts):
         """One token per row as the target request samples, after its history plus the tokens

@@ -313,3 +313,20 @@ def test_stop_strings_overlapped_equal_sync(llm, path):
         assert over.stats["num_overlapped_steps"] > 0
     assert [(o.token_ids, o.finish_reason) for o in got] == sync
     assert {r for _, r in sync} == {"stop", "length"}
+
+
+def test_group_without_kept_outputs_awaits_logits_and_keeps_nothing(llm):
+    """A long-lived group (a draft model's) awaits logits through the loop and keeps no output
+    of its aborted requests; a request the engine ends itself is named."""
+    eng = llm.engine
+    group = RequestGroup(eng, keep_outputs=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    rids = [group.add(EngineRequest([5, 6, 7 + i], params, external_sampling=True))
+            for i in range(3)]  # fmt: skip
+    got = group.await_logits([(r, 0) for r in rids], budget=20)
+    assert set(got) == {(r, 0) for r in rids} and all(eng.awaits_token(r) for r in rids)
+    for r in rids:
+        group.close(r)
+    group.drain()
+    assert group.outputs == {} and group.rids == [] and group.take_finished() == []
+    assert_clean(eng)
