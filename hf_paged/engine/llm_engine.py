@@ -24,7 +24,6 @@ proposed tokens per step in one forward pass and keeps what the model agrees wit
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from itertools import count
@@ -85,21 +84,11 @@ class LLMEngine:
         from hf_paged.engine.worker.executor import create_executor
 
         self.executor = create_executor(self.runtime, model)
-        self.runtime.num_kv_blocks = self.executor.num_kv_blocks
-        # recurrent layers: a state slot per sequence, and no prefix caching (a cached block
-        # has no state snapshot to start from)
-        runner = self.executor.runner
-        self.num_state_slots = runner.num_state_slots
-        self.state_slot_bytes = runner.state_slot_bytes
-        if self.num_state_slots and self.config.enable_prefix_caching:
-            logger.info(
-                "prefix caching is off: %s has recurrent layers, whose per-sequence state a "
-                "cached KV prefix cannot restore", type(runner.model).__name__,
-            )  # fmt: skip
-            self.config = dataclasses.replace(self.config, enable_prefix_caching=False)
+        self._set_runtime_facts()
+        rt = self.runtime
         self.block_manager = BlockManager(
-            self.runtime.num_kv_blocks, self.config.kv_block_size,
-            self.config.enable_prefix_caching, num_state_slots=self.num_state_slots,
+            rt.num_kv_blocks, self.config.kv_block_size, rt.enable_prefix_caching,
+            num_state_slots=rt.num_state_slots,
         )  # fmt: skip
         overlap = self.config.async_scheduling
         if overlap is None:  # auto: where the host has something to hide (one CUDA rank)
@@ -127,6 +116,20 @@ class LLMEngine:
         )
         self._stepper = Stepper(self, self.overlap, self.spec)
 
+    def _set_runtime_facts(self) -> None:
+        """What the executor's start decided, recorded in the runtime info (the config stays
+        as the user gave it): the KV block count, recurrent state slots, and prefix caching,
+        which is off for recurrent layers (a cached block has no state snapshot to start from)."""
+        rt, runner = self.runtime, self.executor.runner
+        rt.num_kv_blocks = self.executor.num_kv_blocks
+        rt.num_state_slots, rt.state_slot_bytes = runner.num_state_slots, runner.state_slot_bytes
+        rt.enable_prefix_caching = self.config.enable_prefix_caching and not rt.num_state_slots
+        if rt.num_state_slots and self.config.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off: %s has recurrent layers, whose per-sequence state a "
+                "cached KV prefix cannot restore", type(runner.model).__name__,
+            )  # fmt: skip
+
     # ---- requests -----------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids) -> list[int]:
@@ -144,7 +147,7 @@ class LLMEngine:
         self._check_open()
         params = check_request(request, self.runtime.vocab_size)
         proposer = request.proposer
-        if proposer is not None and self.num_state_slots:
+        if proposer is not None and self.runtime.num_state_slots:
             raise ValueError(
                 f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
                 "layers, whose per-sequence state cannot take back rejected speculative "

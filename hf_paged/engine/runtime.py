@@ -30,6 +30,13 @@ class RuntimeInfo:
     model_path: str | None  # checkpoint directory, or None for an in-memory model
     config: EngineConfig
     num_kv_blocks: int = 0  # set once the runner has sized the cache
+    # recurrent layers: state-pool slots (one per sequence that can run; 0: no such layers) and
+    # the bytes of one slot over all layers, set once the runner has reserved them
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
+    # prefix caching as the engine runs it: the config's, but off for a model with recurrent
+    # layers (a cached KV prefix has no state snapshot to start from); the config stays as given
+    enable_prefix_caching: bool = True
 
 
 def _as_ids(x) -> tuple[int, ...]:

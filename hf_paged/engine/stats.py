@@ -7,7 +7,7 @@ from __future__ import annotations
 def engine_stats(engine) -> dict:
     """Scheduler, block-manager, speculative-decoding and (with ``HF_PAGED_PROFILE=1``)
     per-section timing counters of ``engine``."""
-    bm, sched, spec = engine.block_manager, engine.scheduler, engine.spec
+    bm, sched, spec, rt = engine.block_manager, engine.scheduler, engine.spec, engine.runtime
     overlap = engine.overlap
     return {
         "num_preemptions": sched.num_preemptions,
@@ -16,7 +16,7 @@ def engine_stats(engine) -> dict:
         "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
         "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
         "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-        "num_kv_blocks": engine.runtime.num_kv_blocks,
+        "num_kv_blocks": rt.num_kv_blocks,
         "num_free_blocks": bm.num_free_blocks,
         "num_overlapped_steps": overlap.num_launched if overlap else 0,
         "num_held_back": sched.num_held_back,  # waits for a prefix being prefilled
@@ -27,10 +27,10 @@ def engine_stats(engine) -> dict:
         "spec_acceptance_rate": spec.acceptance_rate,
         # recurrent layers: one state slot per sequence that can run (max_num_seqs), reserved
         # before the KV cache was sized; bytes of one slot over all layers
-        "num_state_slots": engine.num_state_slots,
-        "state_slot_bytes": engine.state_slot_bytes,
-        "state_pool_bytes": engine.state_slot_bytes
-        * (engine.num_state_slots + 1 if engine.num_state_slots else 0),
+        "num_state_slots": rt.num_state_slots,
+        "state_slot_bytes": rt.state_slot_bytes,
+        "state_pool_bytes": rt.state_slot_bytes
+        * (rt.num_state_slots + 1 if rt.num_state_slots else 0),
         **_profile_stats(engine),
     }
 

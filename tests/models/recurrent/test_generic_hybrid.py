@@ -148,6 +148,7 @@ def test_speculative_proposer_is_refused_by_name(tmp_path):
     with LLM(hf, kv_block_size=4, max_model_len=64, num_kv_blocks=64) as llm:
         assert llm.stats["num_state_slots"] == llm.engine.config.max_num_seqs
         assert llm.stats["state_slot_bytes"] > 0
-        assert not llm.engine.config.enable_prefix_caching
+        assert not llm.engine.runtime.enable_prefix_caching  # derived: off for recurrent layers
+        assert llm.engine.config.enable_prefix_caching  # the user's config stays as given
         with pytest.raises(ValueError, match="proposer=NgramProposer is not allowed"):
             llm.engine.add_request(EngineRequest([5, 6, 7], proposer=NgramProposer(2, 2)))
