@@ -20,47 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.engine.core.request import EngineRequest
-from hf_paged.engine.stop_strings import StopTextFilter, text_filter
 from hf_paged.integration import paged_call
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
-
-
-class UntilMatcher:
-    """lm-eval's stop rule (``MultiTokenEOSCriteria``) as the engine's stop-string matcher.
-
-    Stock marks a row done once a stop string ``s`` is in the decoding (special tokens kept) of
-    its last ``len(encode(s)) + 2`` generated tokens; the prompt never counts. Here one decoding
-    of the longest of those windows serves every stop string: it contains each shorter window's
-    text, so a row stops no later than a stock batch of one would, and never before a stop
-    string is in its generated text, after which stock's trimming gives the same text.
-
-    Decoding is skipped when ``text_filter`` (shared by the rows of one set of stop strings)
-    shows that the newest token cannot complete a stop string and the window's front shows no
-    new text; a stop string then cannot have appeared since the previous token, whose check
-    found none (every token is checked in order, and the first match ends the row).
-    """
-
-    def __init__(self, tokenizer, lookback: dict[str, int], prompt_len: int,
-                 text_filter: StopTextFilter | None = None):  # fmt: skip
-        self.tokenizer = tokenizer
-        self.stop = tuple(lookback)  # == params.stop
-        self.window = max(lookback.values())
-        self.prompt_len = prompt_len
-        self.text_filter = text_filter
-
-    def matches(self, token_ids: list[int], end: int | None = None) -> bool:
-        end = len(token_ids) if end is None else end  # tokens after ``end`` are in flight
-        start = max(self.prompt_len, end - self.window)
-        f = self.text_filter
-        if (
-            f is not None
-            and not f.may_end(token_ids[end - 1])
-            and (start == self.prompt_len or f.front_ok(token_ids[start]))
-        ):
-            return False
-        text = self.tokenizer.decode(token_ids[start:end])
-        return any(s in text for s in self.stop)
+from hf_paged.integration.lm_eval.stop_text import until_matcher
 
 
 @dataclass
@@ -163,8 +126,6 @@ def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
     (``paged_call.plan_generate``, one preparation per distinct set of options), with lm-eval's
     stop rule as its stop-string matcher."""
     plans = paged_call.PlanCache()
-    filters: dict = {}  # stop strings -> StopTextFilter, shared by their rows
-    lookback: dict = {}  # stop strings -> {stop: window}
     out = []
     for row in rows:
         ids = torch.tensor([row.prompt], dtype=torch.long, device=lm.device)
@@ -181,13 +142,7 @@ def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
                                          min_tokens=min(req.params.min_tokens, 1))  # fmt: skip
             req = EngineRequest(req.prompt_token_ids, params)
         elif row.stops:
-            if row.stops not in filters:
-                filters[row.stops] = text_filter(lm.tokenizer, row.stops)
-                lookback[row.stops] = {
-                    s: len(lm.tokenizer.encode(s, add_special_tokens=False)) + 2 for s in row.stops
-                }
-            matcher = UntilMatcher(lm.tokenizer, lookback[row.stops], len(row.prompt),
-                                   filters[row.stops])  # fmt: skip
+            matcher = until_matcher(lm.tokenizer, row.stops, len(row.prompt))
             req = EngineRequest(req.prompt_token_ids,
                                 dataclasses.replace(req.params, stop=row.stops),
                                 stop_strings=matcher)  # fmt: skip

@@ -233,7 +233,7 @@ def test_until_matcher_is_lm_evals_criterion():
     import torch
     from lm_eval.models.utils_hf import MultiTokenEOSCriteria
 
-    from hf_paged.integration.lm_eval.generate_until import UntilMatcher
+    from hf_paged.integration.lm_eval.stop_text import UntilMatcher
     from hf_paged.testing import build_char_tokenizer
 
     tok = build_char_tokenizer()

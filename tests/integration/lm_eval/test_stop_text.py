@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from hf_paged.engine.stop_strings import StopStrings, StopTextFilter
-from hf_paged.integration.lm_eval.generate_until import UntilMatcher
+from hf_paged.engine.stop_strings import StopStrings
+from hf_paged.integration.lm_eval.stop_text import StopTextFilter, UntilMatcher, until_matcher
 from hf_paged.testing import build_char_tokenizer
 
 CORPUS = [
@@ -187,16 +187,18 @@ def test_until_filter_sees_a_character_split_over_byte_tokens():
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_filled_filter_answers_as_the_lazy_one_and_is_shared(name):
-    """``text_filter`` learns the whole vocabulary up front (same answers as learning token by
-    token) and hands the same filter to the next call with that tokenizer and stop strings."""
-    from hf_paged.engine.stop_strings import text_filter
-
+    """``until_matcher``'s filter has learnt the whole vocabulary up front (same answers as
+    learning token by token), and the next row with that tokenizer and stop strings shares it
+    (and its windows: lm-eval's ``len(encode(s)) + 2``)."""
     tok = TOKENIZERS[name]()
     stops = ("\n\n", "ab", " ")
-    filled = text_filter(tok, stops)
-    lazy = StopTextFilter(tok, stops)
+    first = until_matcher(tok, stops, prompt_len=3)
+    filled, lazy = first.text_filter, StopTextFilter(tok, stops)
     ids = list(range(len(tok)))
     assert [filled.may_end(i) for i in ids] == [lazy.may_end(i) for i in ids]
     assert [filled.front_ok(i) for i in ids] == [lazy.front_ok(i) for i in ids]
-    assert text_filter(tok, stops) is filled
-    assert text_filter(TOKENIZERS[name](), stops) is not filled  # another tokenizer object
+    assert first.window == max(len(tok.encode(s, add_special_tokens=False)) + 2 for s in stops)
+    second = until_matcher(tok, stops, prompt_len=5)
+    assert second.text_filter is filled and second.prompt_len == 5
+    other = until_matcher(TOKENIZERS[name](), stops, prompt_len=3)  # another tokenizer object
+    assert other.text_filter is not filled
