@@ -370,7 +370,9 @@ def _add_request_signatures(source: str) -> list[tuple[int, list[str]]]:
             args = node.args
             params = [a for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg != "self"]
             extra = [a.arg for a in (args.vararg, args.kwarg) if a is not None]
-            shape = [f"{a.arg}: {ast.unparse(a.annotation) if a.annotation else ''}" for a in params]
+            shape = [
+                f"{a.arg}: {ast.unparse(a.annotation) if a.annotation else ''}" for a in params
+            ]
             found.append((node.lineno, shape + [f"*{e}" for e in extra]))
     return found
 

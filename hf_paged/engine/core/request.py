@@ -173,5 +173,3 @@ def resolve_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: i
             f"leaves room for {room} under max_model_len={max_model_len}"
         )
     return dataclasses.replace(params, max_tokens=room)
-
-
