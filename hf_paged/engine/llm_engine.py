@@ -177,6 +177,26 @@ class LLMEngine:
                 self.external.forget(seq)
                 self.finish_sequence(seq, "abort")
 
+    def refresh_weights(self, source, names: set[str]) -> int:
+        """The in-memory model ``source`` changed the weights ``names`` (HF names): copy them
+        again into the engine's own tensors (fused projections, converted or merged copies),
+        in place, and drop the prefix cache, whose blocks hold keys and values of the old
+        weights. Nothing else is rebuilt: the KV cache, CUDA graphs and buffers stay.
+
+        Returns:
+            How many tensors were copied (0 where every one is shared with ``source``).
+
+        Raises:
+            RuntimeError: requests are in flight (their KV would mix two sets of weights).
+            NotImplementedError: this engine can't refresh in place (the caller rebuilds it).
+        """
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("refresh_weights is not allowed while requests are in flight")
+        copied = self.executor.refresh_weights(source, names)
+        self.block_manager.reset_prefix_cache()
+        return copied
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -14,7 +14,7 @@ from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import EngineRequest, budget, resolve_max_tokens
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.integration.engine_owner import EngineOwner, fingerprint
+from hf_paged.integration.engine_owner import EngineOwner
 
 
 class LLM:
@@ -25,9 +25,10 @@ class LLM:
         tokenizer: optional; defaults to the one saved beside the checkpoint.
         **engine_kwargs: EngineConfig keys (``max_num_seqs``, ``num_kv_blocks``, ...).
 
-    An in-memory model's weights are read when the engine is built. A change to them later (an
-    in-place update, a PEFT adapter switched) is seen by the next ``generate``, which rebuilds
-    the engine first. Calls from several threads run one after another.
+    An in-memory model's weights are followed: values changed in place later (any optimizer
+    step, ``load_state_dict``, ``copy_``) are copied into the engine's own tensors by the next
+    ``generate``; a replaced parameter or a switched PEFT adapter rebuilds the engine first
+    (``integration/weight_watch.py``). Calls from several threads run one after another.
 
     Example:
         >>> with LLM("path/to/ckpt", max_num_seqs=64) as llm:
@@ -39,13 +40,10 @@ class LLM:
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
         self._closed = False
         if isinstance(model, torch.nn.Module):
-            # an in-memory model: rebuilt when its weights change (fused copies would be stale);
-            # once the caller drops the model, the engine keeps what it was built with
+            # an in-memory model: its weight changes are followed (fused copies would be
+            # stale); once the caller drops the model, the engine keeps what it was built with
             ref = weakref.ref(model)
-            self._owner = EngineOwner(
-                lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer),
-                lambda: fingerprint(ref()) if ref() is not None else None,
-            )
+            self._owner = EngineOwner(lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer), ref)
             self._owner.configure(config)
             self._owner.get()  # built now: errors surface here, not at the first generate
         else:

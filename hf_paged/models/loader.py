@@ -12,6 +12,9 @@ into new tensors under the plain names, so the adapters apply and the user's mod
 In-memory loads share storage wherever the layouts are identical (same shape, dtype and device
 and not a fused shard: at tp_size 1 that is everything but qkv_proj and gate_up_proj), so the
 engine adds no second copy of those weights next to the HF model; fused ones are copied.
+``refresh_weights`` copies named weights of the in-memory model again into the parameters they
+were loaded into (in place: same storage, so captured CUDA graphs stay valid), skipping the
+shared ones, which are the model's own storage.
 """
 
 from __future__ import annotations
@@ -148,8 +151,11 @@ def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
 
 
-def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with.
+def iter_model_weights(
+    hf_model: nn.Module, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with (only
+    those in ``names`` when given).
 
     A plain model yields its own parameters (storage shared). A model with PEFT adapters (a
     ``PeftModel``, or adapters injected into the HF model) yields the weights PEFT's forward
@@ -162,12 +168,12 @@ def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     from hf_paged.models import peft  # imports peft only where the process already has
 
     if peft.is_peft_model(hf_model) or peft.tuner_modules(hf_model):
-        items = peft.merged_weights(hf_model)
+        items = peft.merged_weights(hf_model, names)
     else:
         items = hf_model.named_parameters()
     unused = _unused_fp8_scales(peft.unwrap(hf_model))
     for name, tensor in items:
-        if name in unused:
+        if name in unused or (names is not None and name not in names):
             continue
         if tensor.device.type == "meta":
             raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
@@ -201,3 +207,30 @@ def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> Non
         for hf_name, loaded in items:
             router.load(hf_name, loaded)
     router.check_complete()
+
+
+def refresh_weights(model: nn.Module, source: nn.Module, names: set[str]) -> int:
+    """Copy the in-memory HF model's weights ``names`` (checkpoint names) again into the
+    parameters ``load_weights`` filled from them, in place; a parameter that is the source's
+    own storage is skipped. Returns how many tensors were copied.
+
+    Raises:
+        ValueError: a tensor's shape no longer fits (the caller rebuilds instead).
+    """
+    router = _Router(model)
+    copied = 0
+    with torch.no_grad():
+        for hf_name, loaded in iter_model_weights(source, names):
+            target = router.route(hf_name)
+            if target is None:
+                continue
+            name, shard_id = target
+            param = router.params[name]
+            if shard_id is None and loaded.data_ptr() == param.data_ptr():
+                continue  # shared at load: the engine computes with the source itself
+            if shard_id is None:
+                param.weight_loader(param, loaded)
+            else:
+                param.weight_loader(param, loaded, shard_id)
+            copied += 1
+    return copied

@@ -32,6 +32,10 @@ class PagedModel(Protocol):
         supports_cuda_graph: False makes decode run eagerly (the runner checks it); a reason
             string may live in ``cuda_graph_reason``.
 
+    Optional: ``refresh_weights(source, names) -> int`` copies an in-memory source's weights
+    ``names`` (HF names) again into the tensors ``load_weights`` filled, in place; a model
+    without it is rebuilt when those weights change.
+
     Calls the runner makes, in order: ``load_weights`` once; ``forward`` + ``compute_logits``
     for warm-up, CUDA-graph capture (decode only, when ``supports_cuda_graph``) and every step.
     ``forward`` must read the KV cache only through ``meta.kv_cache`` and must not sync the host

@@ -255,6 +255,21 @@ class ModelRunner:
         self._set_kv_cache(num_blocks)
         return num_blocks
 
+    @torch.inference_mode(False)
+    def refresh_weights(self, source, names: set[str]) -> int:
+        """Copy the in-memory model ``source``'s weights ``names`` again into this rank's
+        parameters, in place (the KV cache, graphs and buffers stay as they are). Returns how
+        many tensors were copied.
+
+        Raises:
+            NotImplementedError: the model has no ``refresh_weights`` (the caller rebuilds).
+        """
+        refresh = getattr(self.model, "refresh_weights", None)
+        if refresh is None:
+            raise NotImplementedError(f"{type(self.model).__name__} has no refresh_weights")
+        with timings.span("engine.refresh_weights"):
+            return refresh(source, names)
+
     def capture_cudagraph(self) -> None:
         from hf_paged.engine.worker.cuda_graph import DecodeGraphRunner
 

@@ -167,6 +167,11 @@ class TPExecutor:
         held.raise_if_pending()  # every rank finished the step: safe to stop here
         return out
 
+    def refresh_weights(self, source, names: set[str]) -> int:
+        """Not here: every rank loaded its shard from the checkpoint, and an in-memory model
+        (the only source that changes in place) is not served at tensor_parallel_size > 1."""
+        raise NotImplementedError("a tensor-parallel engine loads from a checkpoint directory")
+
     def _stop(self, reason: str) -> None:
         self._broken = reason
         self.group.close(timeout=1.0)
