@@ -92,10 +92,14 @@ def instance_forward_refusal(model: nn.Module, name: str = "") -> Refusal | None
     return _patched(name, f"more than {_MAX_DEPTH} wrappers")
 
 
+def _label(name: str) -> str:
+    return repr(name) if name else "the model"
+
+
 def _patched(name: str, what: str) -> Refusal:
     return Refusal(
         "patched_forward",
-        f"{name or 'the model'!r} has its own forward set on the instance ({what}), which runs "
+        f"{_label(name)} has its own forward set on the instance ({what}), which runs "
         "in stock's forward only (the wrappers served are TRL's add_fused_lm_head and "
         "accelerate's fp32 output cast): restore the class's forward (del model.forward) to "
         "serve the model paged, or generate with backend='hf'",
@@ -108,7 +112,7 @@ def _autocast(name: str, model: nn.Module, autocast) -> Refusal:
     weights = next((str(p.dtype) for p in model.parameters()), "?")
     return Refusal(
         "autocast",
-        f"{name or 'the model'!r}'s forward runs under torch.autocast({device!r}, dtype={dtype}) over "
+        f"the forward of {_label(name)} runs under torch.autocast({device!r}, dtype={dtype}) over "
         f"{weights} weights (accelerate's mixed precision, e.g. a trainer's bf16=True or "
         "fp16=True), and the engine computes in the weights' dtype: turn mixed precision off "
         "(bf16=False / mixed_precision='no') for paged rollouts in float32, or load the model in "
