@@ -189,6 +189,29 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats
 
+    def update_weights(self, weights) -> int:
+        """Give the engine new values for some of the model's weights, ``(HF checkpoint name,
+        full tensor)`` pairs (a policy's ``named_parameters()`` or ``state_dict().items()``), as
+        an RL loop syncs its trained policy into the generator (vLLM's ``load_weights``). Every
+        rank of a tensor-parallel engine copies its part in place; the KV cache stays, the
+        prefix cache is dropped. Returns how many tensors rank 0 copied.
+
+        Raises:
+            ValueError: an LLM built on an in-memory model (its engine follows that model's own
+                weights: change them instead), a name the model lacks, or a shape that does
+                not fit.
+            RuntimeError: the LLM is closed.
+        """
+        self._check_open()
+        if self._owner.follows_a_model:
+            raise ValueError(
+                "update_weights is not allowed on an LLM built on an in-memory model: the engine "
+                "follows that model's weights, so change them instead (an optimizer step, "
+                "load_state_dict) and the next generate serves them"
+            )
+        with self._owner.hold() as held:
+            return held.get().update_weights(weights)
+
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's blocks that no running request holds (as vLLM's
         ``LLM.reset_prefix_cache``), e.g. between timed runs; the number of blocks dropped."""

@@ -83,6 +83,11 @@ class EngineOwner:
         return (_no_owner, ())
 
     @property
+    def follows_a_model(self) -> bool:
+        """The engine is built from an in-memory model whose weight changes it follows."""
+        return self._source is not None
+
+    @property
     def held_here(self) -> bool:
         """This thread is inside ``hold``."""
         return self._holder == threading.get_ident()

@@ -12,16 +12,17 @@ into new tensors under the plain names, so the adapters apply and the user's mod
 In-memory loads share storage wherever the layouts are identical (same shape, dtype and device
 and not a fused shard: at tp_size 1 that is everything but qkv_proj and gate_up_proj), so the
 engine adds no second copy of those weights next to the HF model; fused ones are copied.
-``refresh_weights`` copies named weights of the in-memory model again into the parameters they
-were loaded into (in place: same storage, so captured CUDA graphs stay valid), skipping the
-shared ones, which are the model's own storage.
+``refresh_weights`` copies ``(checkpoint name, tensor)`` pairs (an in-memory model's changed
+weights, or new weights sent to every rank) into the parameters they load into, in place (same
+storage, so captured CUDA graphs stay valid), skipping a tensor that is the parameter's own
+storage (shared at load).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,28 +210,40 @@ def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> Non
     router.check_complete()
 
 
-def refresh_weights(model: nn.Module, source: nn.Module, names: set[str]) -> int:
-    """Copy the in-memory HF model's weights ``names`` (checkpoint names) again into the
-    parameters ``load_weights`` filled from them, in place; a parameter that is the source's
-    own storage is skipped. Returns how many tensors were copied.
+def refresh_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dry_run: bool = False
+) -> int:
+    """Copy ``(checkpoint name, full tensor)`` pairs into the parameters ``load_weights`` fills
+    from those names (this rank's part), in place; a tensor that is the parameter's own storage
+    is skipped. Returns how many tensors were (``dry_run``: would be) copied.
+
+    ``dry_run`` runs every loader on meta copies: names and shapes are judged, nothing is
+    written (so a bad pair fails before any rank has changed a weight).
 
     Raises:
-        ValueError: a tensor's shape no longer fits (the caller rebuilds instead).
+        ValueError: a name the model does not have, or a shape that does not fit.
     """
     router = _Router(model)
     copied = 0
     with torch.no_grad():
-        for hf_name, loaded in iter_model_weights(source, names):
+        for hf_name, loaded in weights:
             target = router.route(hf_name)
             if target is None:
+                if router.unexpected:
+                    raise ValueError(f"{router.unexpected[-1]!r} is not a weight of this model")
                 continue
             name, shard_id = target
             param = router.params[name]
             if shard_id is None and loaded.data_ptr() == param.data_ptr():
                 continue  # shared at load: the engine computes with the source itself
-            if shard_id is None:
-                param.weight_loader(param, loaded)
-            else:
-                param.weight_loader(param, loaded, shard_id)
+            dst = torch.empty_like(param, device="meta") if dry_run else param
+            src = loaded.to("meta") if dry_run else loaded
+            try:
+                if shard_id is None:
+                    param.weight_loader(dst, src)
+                else:
+                    param.weight_loader(dst, src, shard_id)
+            except ValueError as e:
+                raise ValueError(f"{hf_name!r} does not fit {name!r}: {e}") from e
             copied += 1
     return copied

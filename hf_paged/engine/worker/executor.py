@@ -29,8 +29,9 @@ class LocalExecutor:
     def run_async(self, inp: ModelInput, sampling, prev, prev_rows):
         return self.runner.run_async(inp, sampling, prev, prev_rows)
 
-    def refresh_weights(self, source, names: set[str]) -> int:
-        return self.runner.refresh_weights(source, names)
+    def refresh_weights(self, weights: list) -> int:
+        self.runner.refresh_weights(weights, dry_run=True)  # a bad pair changes nothing
+        return self.runner.refresh_weights(weights)
 
     def close(self) -> None:
         self.runner.exit()

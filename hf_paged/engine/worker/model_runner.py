@@ -257,19 +257,22 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode(False)
-    def refresh_weights(self, source, names: set[str]) -> int:
-        """Copy the in-memory model ``source``'s weights ``names`` again into this rank's
-        parameters, in place (the KV cache, graphs and buffers stay as they are). Returns how
-        many tensors were copied.
+    def refresh_weights(
+        self, weights: list[tuple[str, torch.Tensor]], dry_run: bool = False
+    ) -> int:
+        """Copy ``(HF name, full tensor)`` pairs into this rank's parameters, in place (the KV
+        cache, graphs and buffers stay as they are). Returns how many tensors were copied;
+        ``dry_run`` judges names and shapes and writes nothing.
 
         Raises:
             NotImplementedError: the model has no ``refresh_weights`` (the caller rebuilds).
+            ValueError: a name the model lacks or a shape that does not fit.
         """
         refresh = getattr(self.model, "refresh_weights", None)
         if refresh is None:
             raise NotImplementedError(f"{type(self.model).__name__} has no refresh_weights")
         with timings.span("engine.refresh_weights"):
-            return refresh(source, names)
+            return refresh(weights, dry_run=dry_run)
 
     def capture_cudagraph(self) -> None:
         from hf_paged.engine.worker.cuda_graph import DecodeGraphRunner

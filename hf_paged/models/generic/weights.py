@@ -9,9 +9,9 @@
   into 3-D tensors...) is loaded by transformers' own ``from_pretrained`` and then shared as an
   in-memory model.
 
-``refresh_from_module`` copies named weights of the in-memory source again into the engine's
-parameters, in place (a fused group's members are views of its one buffer, so the fused weight
-follows), skipping those that are the source's own storage.
+``refresh_weights`` copies ``(name, tensor)`` pairs into the engine's parameters, in place (a
+fused group's members are views of its one buffer, so the fused weight follows), skipping a
+tensor that is the parameter's own storage (adopted at load).
 """
 
 from __future__ import annotations
@@ -55,28 +55,29 @@ def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, 
         raise ValueError(f"the in-memory model lacks parameters {missing[:8]}")
 
 
-def refresh_from_module(model: nn.Module, source: nn.Module, names: set[str], rules=None) -> int:
-    """Copy ``source``'s parameters ``names`` into ``model``'s (this rank's part under ``rules``),
-    in place; returns how many were copied.
+def refresh_weights(model: nn.Module, weights, rules=None, dry_run: bool = False) -> int:
+    """Copy ``(parameter name, full tensor)`` pairs into ``model``'s parameters (this rank's part
+    under ``rules``), in place; returns how many were (``dry_run``: would be, with nothing
+    written) copied.
 
     Raises:
-        ValueError: a name ``model`` lacks or a shape that no longer fits (the caller rebuilds).
+        ValueError: a name ``model`` lacks or a shape that does not fit.
     """
-    src_params = dict(source.named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
     copied = 0
     with torch.no_grad():
-        for names_tied in tied_groups(model):
-            if not names.intersection(names_tied):
-                continue
-            src = src_params[names_tied[0]]
-            param = model.get_parameter(names_tied[0])
+        for name, src in weights:
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"{name!r} is not a parameter of this model")
             if src.data_ptr() == param.data_ptr():
                 continue  # adopted at load: the engine computes with the source itself
-            rule = (rules or {}).get(names_tied[0])
+            rule = (rules or {}).get(name)
             value = rule.apply(src.detach()) if rule is not None else src.detach()
             if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{names_tied[0]!r}: shape {tuple(value.shape)} no longer fits")
-            param.copy_(value)
+                raise ValueError(f"{name!r}: shape {tuple(value.shape)} does not fit")
+            if not dry_run:
+                param.copy_(value)
             copied += 1
     return copied
 

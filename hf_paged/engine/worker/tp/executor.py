@@ -167,10 +167,16 @@ class TPExecutor:
         held.raise_if_pending()  # every rank finished the step: safe to stop here
         return out
 
-    def refresh_weights(self, source, names: set[str]) -> int:
-        """Not here: every rank loaded its shard from the checkpoint, and an in-memory model
-        (the only source that changes in place) is not served at tensor_parallel_size > 1."""
-        raise NotImplementedError("a tensor-parallel engine loads from a checkpoint directory")
+    def refresh_weights(self, weights: list) -> int:
+        """Every rank copies its part of the full tensors ``weights`` (``(HF name, tensor)``),
+        sent to the workers through the step channel (on the host), before any later step;
+        rank 0's count of copies is returned."""
+        if self._broken is not None:
+            raise RuntimeError(f"this tensor-parallel engine cannot run any more: {self._broken}")
+        self.runner.refresh_weights(weights, dry_run=True)  # a bad pair: no rank changes
+        host = [(name, t.detach().cpu()) for name, t in weights]
+        self.group.broadcast("refresh_weights", host)
+        return self.runner.refresh_weights(weights)
 
     def _stop(self, reason: str) -> None:
         self._broken = reason
