@@ -70,10 +70,12 @@ def _install_hook() -> None:
 
 
 def _probe_index(p: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the probed elements: first, last and evenly between (integer math: a
+    float32 linspace rounds past the end of a large tensor)."""
     n = p.numel()
     k = min(PROBE_ELEMENTS, n)
-    idx = torch.linspace(0, max(n - 1, 0), k).round().long() if n else torch.zeros(0).long()
-    return idx.to(p.device)
+    idx = [i * (n - 1) // (k - 1) for i in range(k)] if k > 1 else [0] * k
+    return torch.tensor(idx, dtype=torch.long, device=p.device)
 
 
 class WeightWatch:

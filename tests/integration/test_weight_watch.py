@@ -186,3 +186,33 @@ def test_generic_model_path_follows_optimizer_steps():
         _assert_paged_is_stock(model, before)
     finally:
         dispatch.release(model)
+
+
+def test_watch_names_what_changed_and_nothing_else():
+    """The watch alone: nothing changed -> nothing named; a fused step names the stepped
+    parameters only (the hook); ``.data`` writes are named by the probe; a LoRA factor names
+    the merged weight it feeds; a replaced parameter is a layout change."""
+    from hf_paged.integration.weight_watch import WeightWatch
+
+    model = build_hf_model("llama", seed=0)
+    watch = WeightWatch(model)
+    assert watch.changed() == set() and not watch.layout_changed(model)
+    head = model.lm_head.weight
+    head.grad = torch.ones_like(head)
+    torch.optim.SGD([head], lr=0.1, fused=True).step()
+    assert watch.changed() == {"lm_head.weight"}
+    watch.synced()
+    assert watch.changed() == set()
+    model.model.norm.weight.data.mul_(2.0)  # no version bump, no optimizer
+    assert watch.changed() == {"model.norm.weight"}
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
+    assert watch.layout_changed(model)
+
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(build_hf_model("llama", seed=0),
+                               peft.LoraConfig(r=2, target_modules=["v_proj"]))  # fmt: skip
+    watch = WeightWatch(lora)
+    factor = lora.base_model.model.model.layers[1].self_attn.v_proj.lora_B["default"].weight
+    with torch.no_grad():
+        factor.add_(1.0)
+    assert watch.changed() == {"model.layers.1.self_attn.v_proj.weight"}
