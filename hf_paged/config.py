@@ -106,8 +106,10 @@ class EngineConfig:
             ``max_position_embeddings``.
         kv_block_size: tokens per KV-cache block.
         num_kv_blocks: fixed number of KV blocks; None = size from memory.
-        kv_cache_bytes: byte budget for the KV cache (all layers, K and V). Used on CPU (default
-            512 MiB) and on GPU when given; None on GPU = size from ``gpu_memory_utilization``.
+        kv_cache_bytes: byte budget for the KV cache (all layers, K and V). Used on CPU and on
+            GPU when given; None on GPU = size from ``gpu_memory_utilization``; None on CPU =
+            room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 512 MiB
+            (its pages are zero pages until a block is written: memory follows the work).
         gpu_memory_utilization: the engine's share of the GPU's memory, everything it holds
             (weights, activations, KV cache, CUDA graphs); refused, naming who holds the
             memory, when that share is not free. None (default): 0.9 of the GPU less what is in

@@ -177,6 +177,37 @@ class LLMEngine:
                 self.external.forget(seq)
                 self.finish_sequence(seq, "abort")
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """New values for some of the model's weights: ``(HF checkpoint name, full tensor)``
+        pairs, as an RL loop sends its policy's weights. Every rank copies its part into the
+        engine's own tensors (fused projections, shards, converted copies), in place, and the
+        prefix cache, whose blocks hold keys and values of the old weights, is dropped. Nothing
+        else is rebuilt: the KV cache, CUDA graphs and buffers stay.
+
+        Returns:
+            How many tensors rank 0 copied (a tensor that is the engine's own storage, shared
+            with an in-memory model, is skipped).
+
+        Raises:
+            RuntimeError: requests are in flight (their KV would mix two sets of weights).
+            ValueError: a name the model does not have, or a shape that does not fit.
+            NotImplementedError: the model path can't copy in place (rebuild the engine).
+        """
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_weights is not allowed while requests are in flight")
+        copied = self.executor.refresh_weights(list(weights))
+        self.block_manager.reset_prefix_cache()
+        return copied
+
+    def refresh_weights(self, source, names: set[str]) -> int:
+        """The in-memory model ``source`` (the one the engine was built from) changed the
+        weights ``names``: ``update_weights`` with their current values (a PEFT model's LoRA
+        merged, as at load; ``models.loader.iter_model_weights``)."""
+        from hf_paged.models.loader import iter_model_weights
+
+        return self.update_weights(iter_model_weights(source, names))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

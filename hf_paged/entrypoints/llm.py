@@ -14,7 +14,7 @@ from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import EngineRequest, budget, resolve_max_tokens
 from hf_paged.engine.llm_engine import LLMEngine
-from hf_paged.integration.engine_owner import EngineOwner, fingerprint
+from hf_paged.integration.engine_owner import EngineOwner
 
 
 class LLM:
@@ -25,9 +25,10 @@ class LLM:
         tokenizer: optional; defaults to the one saved beside the checkpoint.
         **engine_kwargs: EngineConfig keys (``max_num_seqs``, ``num_kv_blocks``, ...).
 
-    An in-memory model's weights are read when the engine is built. A change to them later (an
-    in-place update, a PEFT adapter switched) is seen by the next ``generate``, which rebuilds
-    the engine first. Calls from several threads run one after another.
+    An in-memory model's weights are followed: values changed in place later (any optimizer
+    step, ``load_state_dict``, ``copy_``) are copied into the engine's own tensors by the next
+    ``generate``; a replaced parameter or a switched PEFT adapter rebuilds the engine first
+    (``integration/weight_watch.py``). Calls from several threads run one after another.
 
     Example:
         >>> with LLM("path/to/ckpt", max_num_seqs=64) as llm:
@@ -39,13 +40,10 @@ class LLM:
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
         self._closed = False
         if isinstance(model, torch.nn.Module):
-            # an in-memory model: rebuilt when its weights change (fused copies would be stale);
-            # once the caller drops the model, the engine keeps what it was built with
+            # an in-memory model: its weight changes are followed (fused copies would be
+            # stale); once the caller drops the model, the engine keeps what it was built with
             ref = weakref.ref(model)
-            self._owner = EngineOwner(
-                lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer),
-                lambda: fingerprint(ref()) if ref() is not None else None,
-            )
+            self._owner = EngineOwner(lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer), ref)
             self._owner.configure(config)
             self._owner.get()  # built now: errors surface here, not at the first generate
         else:
@@ -190,6 +188,29 @@ class LLM:
     @property
     def stats(self) -> dict:
         return self.engine.stats
+
+    def update_weights(self, weights) -> int:
+        """Give the engine new values for some of the model's weights, ``(HF checkpoint name,
+        full tensor)`` pairs (a policy's ``named_parameters()`` or ``state_dict().items()``), as
+        an RL loop syncs its trained policy into the generator (vLLM's ``load_weights``). Every
+        rank of a tensor-parallel engine copies its part in place; the KV cache stays, the
+        prefix cache is dropped. Returns how many tensors rank 0 copied.
+
+        Raises:
+            ValueError: an LLM built on an in-memory model (its engine follows that model's own
+                weights: change them instead), a name the model lacks, or a shape that does
+                not fit.
+            RuntimeError: the LLM is closed.
+        """
+        self._check_open()
+        if self._owner.follows_a_model:
+            raise ValueError(
+                "update_weights is not allowed on an LLM built on an in-memory model: the engine "
+                "follows that model's weights, so change them instead (an optimizer step, "
+                "load_state_dict) and the next generate serves them"
+            )
+        with self._owner.hold() as held:
+            return held.get().update_weights(weights)
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's blocks that no running request holds (as vLLM's

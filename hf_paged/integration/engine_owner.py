@@ -3,9 +3,12 @@
 Every front end reaches its engine through an owner: the ``generate`` dispatcher (one owner per
 HF model object, hung off the model), ``PagedModelForCausalLM`` (an owner of the engine it was
 opened with) and ``LLM`` (an owner of the engine it builds). The owner builds the engine on first
-use and rebuilds it when the requested ``EngineConfig`` differs from the built one or the model's
-weights changed since the build (``fingerprint``: parameter storage, in-place versions and PEFT
-adapter state; the engine shares the weights but holds fused copies of some). ``hold`` gives the
+use and rebuilds it when the requested ``EngineConfig`` differs from the built one. Before every
+call it asks the model's ``WeightWatch`` (``weight_watch.py``) what changed since the engine read
+the weights: values changed in place (any optimizer, ``load_state_dict``, ``copy_``) are copied
+again into the engine's own tensors (``LLMEngine.refresh_weights``: no rebuild, the KV cache
+stays, the prefix cache is dropped); a replaced parameter or a new adapter state rebuilds it
+(its shared tensors are the old storage), as does an engine that can't refresh. ``hold`` gives the
 owner to one caller for the length of a ``with`` block: other threads wait, and the same thread
 asking again gets ``PagedFallback("reentrant")`` (its requests are in the engine already).
 
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator
 
 from hf_paged.config import EngineConfig
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.weight_watch import WeightWatch
 from hf_paged.models import peft
 
 _OWNER_ATTR = "_hf_paged_engine_owner"
@@ -48,21 +52,24 @@ class EngineOwner:
 
     Args:
         build: ``EngineConfig -> engine``; None for an owner of a fixed ``engine``.
-        fingerprint: ``() -> tuple``, the model's weights now; a change rebuilds the engine
-            (None: nothing to compare, e.g. the model is gone; the engine is kept).
+        source: ``() -> model``, the in-memory model the engine is built from, whose weight
+            changes the owner follows (None, or a call returning None: nothing to follow, e.g.
+            the model is gone; the engine is kept).
         engine: an engine built already (it is never rebuilt).
     """
 
-    def __init__(self, build: Callable | None = None, fingerprint: Callable | None = None,
+    def __init__(self, build: Callable | None = None, source: Callable | None = None,
                  engine=None):  # fmt: skip
         self._build = build
-        self._fingerprint = fingerprint
+        self._source = source
         self.engine = engine
         self.built_with: EngineConfig | None = None if engine is None else engine.config
-        self._built_from: tuple | None = None
+        self._watch: WeightWatch | None = None  # the model's weights as the engine read them
         self.configured: EngineConfig | None = None  # from ``configure``
         self.given_back: EngineConfig | None = None  # the config of an engine given back
         self.gave_back = 0  # engines closed for a stock call (``give_back_for_stock``)
+        self.builds = 0  # engines built by ``get``
+        self.refreshes = 0  # in-place weight refreshes by ``get``
         self._lock = threading.Lock()
         self._holder: int | None = None  # thread id inside ``hold``
         self._close_pending = False  # ``close_when_free`` asked while a caller held it
@@ -76,32 +83,42 @@ class EngineOwner:
         return (_no_owner, ())
 
     @property
+    def follows_a_model(self) -> bool:
+        """The engine is built from an in-memory model whose weight changes it follows."""
+        return self._source is not None
+
+    @property
     def held_here(self) -> bool:
         """This thread is inside ``hold``."""
         return self._holder == threading.get_ident()
 
     def get(self, config: EngineConfig | None = None):
         """The engine, built or rebuilt for ``config`` (else the configured one, else the one it
-        has). Call it while holding the owner (``hold``), or from a single thread."""
+        has), its weights current. Call it while holding the owner (``hold``), or from a single
+        thread."""
         want = config or self.configured or self.built_with or self.given_back or EngineConfig()
         if self._build is None:
             return self.engine
-        now = self._fingerprint() if self._fingerprint is not None else None
-        if now is None:
-            now = self._built_from
-        if self.engine is not None and self.built_with == want and self._built_from == now:
-            return self.engine
+        model = self._source() if self._source is not None else None
         if self.engine is None:
             why = "first use"
         elif self.built_with != want:
             why = "engine config changed: " + _config_change(self.built_with, want)
+        elif model is None or self._watch is None:
+            return self.engine
+        elif self._watch.layout_changed(model):
+            why = "the model's parameters were replaced or its adapters changed"
         else:
-            why = "the model's weights or adapters changed"
+            why = self._refresh(model)
+            if why is None:
+                return self.engine
         self.close()
         start = time.perf_counter()
         logger.info("hf_paged: starting an engine (%s)", why)
         self.engine = self._build(want)
-        self.built_with, self._built_from = want, now
+        self.builds += 1
+        self.built_with = want
+        self._watch = WeightWatch(model) if model is not None else None
         if logger.isEnabledFor(logging.INFO):
             rt = getattr(self.engine, "runtime", None)
             facts = ", ".join(
@@ -110,6 +127,26 @@ class EngineOwner:
             )  # fmt: skip
             logger.info("hf_paged: engine ready in %.1f s (%s)", time.perf_counter() - start, facts)
         return self.engine
+
+    def _refresh(self, model) -> str | None:
+        """Copy changed weights into the engine in place; None when done (or nothing changed),
+        else why the engine must be rebuilt instead."""
+        names = self._watch.changed()
+        if not names:
+            return None
+        refresh = getattr(self.engine, "refresh_weights", None)
+        if refresh is None:
+            return "the model's weights changed"
+        start = time.perf_counter()
+        try:
+            copied = refresh(model, names)
+        except (NotImplementedError, ValueError) as e:
+            return f"the model's weights changed and the engine can't refresh them: {e}"
+        self._watch.synced()
+        self.refreshes += 1
+        logger.info("hf_paged: %d changed weights refreshed in the engine (%d copied) in %.3f s",
+                    len(names), copied, time.perf_counter() - start)  # fmt: skip
+        return None
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[EngineOwner]:
@@ -139,7 +176,7 @@ class EngineOwner:
 
     def close(self) -> None:
         """Close the engine now (an owner with ``build`` builds a new one on the next ``get``)."""
-        engine, self.engine, self.built_with, self._built_from = self.engine, None, None, None
+        engine, self.engine, self.built_with, self._watch = self.engine, None, None, None
         self.given_back = None
         if engine is not None:
             engine.close()
@@ -212,14 +249,6 @@ def _config_change(old: EngineConfig, new: EngineConfig) -> str:
     return ", ".join(changed)
 
 
-def fingerprint(model) -> tuple:
-    """The model's parameters (storage, in-place version, layout) and its PEFT adapter state."""
-    params = tuple(
-        (p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in model.parameters()
-    )
-    return params, peft.adapter_state(model)
-
-
 def owner_of(model, build: Callable) -> EngineOwner:
     """The owner hung off an HF model (a ``PeftModel``: the model inside it), made on first use.
 
@@ -234,7 +263,7 @@ def owner_of(model, build: Callable) -> EngineOwner:
         owner = model.__dict__.get(_OWNER_ATTR)
         if owner is None:
             ref = weakref.ref(model)
-            owner = EngineOwner(lambda cfg: build(ref(), cfg), lambda: fingerprint(ref()))
+            owner = EngineOwner(lambda cfg: build(ref(), cfg), ref)
             model.__dict__[_OWNER_ATTR] = owner  # a plain attribute, not a submodule
             # the engine may hold the model: a strong reference here would keep both for ever
             weakref.finalize(model, _close_owner, weakref.ref(owner))

@@ -332,6 +332,12 @@ class LlamaForCausalLM(nn.Module):
         """From a safetensors checkpoint dir or an in-memory HF model (see ``models/loader``)."""
         loader.load_weights(self, source)
 
+    def refresh_weights(self, weights, dry_run: bool = False) -> int:
+        """Copy ``(HF name, full tensor)`` pairs into the parameters they load into, in place
+        (``loader.refresh_weights``; ``dry_run``: judge them, write nothing). Returns how many
+        were copied."""
+        return loader.refresh_weights(self, weights, dry_run)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64

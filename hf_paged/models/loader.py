@@ -12,13 +12,17 @@ into new tensors under the plain names, so the adapters apply and the user's mod
 In-memory loads share storage wherever the layouts are identical (same shape, dtype and device
 and not a fused shard: at tp_size 1 that is everything but qkv_proj and gate_up_proj), so the
 engine adds no second copy of those weights next to the HF model; fused ones are copied.
+``refresh_weights`` copies ``(checkpoint name, tensor)`` pairs (an in-memory model's changed
+weights, or new weights sent to every rank) into the parameters they load into, in place (same
+storage, so captured CUDA graphs stay valid), skipping a tensor that is the parameter's own
+storage (shared at load).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +152,11 @@ def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
 
 
-def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with.
+def iter_model_weights(
+    hf_model: nn.Module, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with (only
+    those in ``names`` when given).
 
     A plain model yields its own parameters (storage shared). A model with PEFT adapters (a
     ``PeftModel``, or adapters injected into the HF model) yields the weights PEFT's forward
@@ -162,12 +169,12 @@ def iter_model_weights(hf_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     from hf_paged.models import peft  # imports peft only where the process already has
 
     if peft.is_peft_model(hf_model) or peft.tuner_modules(hf_model):
-        items = peft.merged_weights(hf_model)
+        items = peft.merged_weights(hf_model, names)
     else:
         items = hf_model.named_parameters()
     unused = _unused_fp8_scales(peft.unwrap(hf_model))
     for name, tensor in items:
-        if name in unused:
+        if name in unused or (names is not None and name not in names):
             continue
         if tensor.device.type == "meta":
             raise ValueError(f"{name!r} of the HF model is on the meta device (offloaded?)")
@@ -201,3 +208,42 @@ def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> Non
         for hf_name, loaded in items:
             router.load(hf_name, loaded)
     router.check_complete()
+
+
+def refresh_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dry_run: bool = False
+) -> int:
+    """Copy ``(checkpoint name, full tensor)`` pairs into the parameters ``load_weights`` fills
+    from those names (this rank's part), in place; a tensor that is the parameter's own storage
+    is skipped. Returns how many tensors were (``dry_run``: would be) copied.
+
+    ``dry_run`` runs every loader on meta copies: names and shapes are judged, nothing is
+    written (so a bad pair fails before any rank has changed a weight).
+
+    Raises:
+        ValueError: a name the model does not have, or a shape that does not fit.
+    """
+    router = _Router(model)
+    copied = 0
+    with torch.no_grad():
+        for hf_name, loaded in weights:
+            target = router.route(hf_name)
+            if target is None:
+                if router.unexpected:
+                    raise ValueError(f"{router.unexpected[-1]!r} is not a weight of this model")
+                continue
+            name, shard_id = target
+            param = router.params[name]
+            if shard_id is None and loaded.data_ptr() == param.data_ptr():
+                continue  # shared at load: the engine computes with the source itself
+            dst = torch.empty_like(param, device="meta") if dry_run else param
+            src = loaded.to("meta") if dry_run else loaded
+            try:
+                if shard_id is None:
+                    param.weight_loader(dst, src)
+                else:
+                    param.weight_loader(dst, src, shard_id)
+            except ValueError as e:
+                raise ValueError(f"{hf_name!r} does not fit {name!r}: {e}") from e
+            copied += 1
+    return copied

@@ -18,8 +18,10 @@ aLoRA ...), per-row ``adapter_names``, a disabled layer whose adapter is merged 
 would unmerge it, changing the weights), LoRA bias on a layer without one, and tuner layers on
 tied weights. The dispatcher turns it into a stock fallback; ``LLM`` raises it as a ValueError.
 
-``adapter_state`` is the part of the dispatcher's fingerprint that parameter versions can't see
-(active adapter, enabled, merged, scaling, hooks), so a change between calls rebuilds the engine.
+``adapter_state`` is what the engine's weight watch can't see in the parameters (active adapter,
+enabled, merged, scaling, hooks), so a change between calls rebuilds the engine; ``served_names``
+says which served weights a parameter feeds, so an adapter trained in place refreshes only the
+weights it is merged into.
 Nothing here imports ``peft`` unless the caller's process already has.
 """
 
@@ -214,10 +216,12 @@ def adapter_parameter_names(model: nn.Module) -> set[str]:
 # ---- merged weights --------------------------------------------------------------------------
 
 
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, tensor)`` for every weight PEFT's forward applies now, under the names of
-    the model without adapters. Adapted weights are new tensors (the model is not changed);
-    the others are the model's own parameters.
+def merged_weights(
+    model: nn.Module, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` for every weight PEFT's forward applies now (only those in
+    ``names`` when given), under the names of the model without adapters. Adapted weights are
+    new tensors (the model is not changed); the others are the model's own parameters.
 
     Raises:
         ValueError: ``unsupported_reason`` refuses the model (its detail is the message).
@@ -227,8 +231,31 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if reason is not None:
         raise ValueError(f"this PEFT model can't run on the paged engine: {reason.tagged()}")
     for _, hf_name, value in _classify(model):
-        if hf_name is not None:
+        if hf_name is not None and (names is None or hf_name in names):
             yield hf_name, value() if callable(value) else value
+
+
+def served_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{parameter name: served HF names it feeds}`` for every parameter of ``model`` (the
+    unwrapped one): a LoRA factor feeds its layer's merged weight (and bias), a base weight its
+    plain name, an unused copy nothing."""
+    model = unwrap(model)
+    tuners = tuner_modules(model)
+    bases = {}
+    for name, hf_name, _ in _classify(model):
+        owner, _ = _owner(name, tuners)
+        if hf_name is not None and owner is not None:
+            bases.setdefault(owner, []).append(hf_name)
+    out = {}
+    for name, hf_name, _ in _classify(model):
+        owner, rest = _owner(name, tuners)
+        if hf_name is not None:
+            out[name] = (hf_name,)
+        elif owner is not None and rest.startswith(("lora_", "lora_embedding_")):
+            out[name] = tuple(bases.get(owner, ()))  # folded into the layer's weight and bias
+        else:
+            out[name] = ()
+    return out
 
 
 def _owner(name: str, tuners: dict[str, nn.Module]) -> tuple[str | None, str]:

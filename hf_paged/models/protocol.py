@@ -32,6 +32,11 @@ class PagedModel(Protocol):
         supports_cuda_graph: False makes decode run eagerly (the runner checks it); a reason
             string may live in ``cuda_graph_reason``.
 
+    Optional: ``refresh_weights(weights, dry_run=False) -> int`` copies ``(HF name, full
+    tensor)`` pairs into the tensors ``load_weights`` fills from those names (this rank's part),
+    in place (``dry_run``: raises ValueError for a bad pair, writes nothing); a model without it
+    is rebuilt when an in-memory source's weights change.
+
     Calls the runner makes, in order: ``load_weights`` once; ``forward`` + ``compute_logits``
     for warm-up, CUDA-graph capture (decode only, when ``supports_cuda_graph``) and every step.
     ``forward`` must read the KV cache only through ``meta.kv_cache`` and must not sync the host

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from hf_paged.models import peft
+from hf_paged.models.forward_wrappers import instance_forward_refusal
 from hf_paged.refusal import Refusal
 
 
@@ -86,7 +87,8 @@ def _package(module) -> str:
 
 def hook_refusal(model) -> Refusal | None:
     """A forward hook or pre-hook of the caller's on a module of ``model`` (steering vectors,
-    logit lenses, recorders), a module whose ``forward`` was replaced on the instance, or a
+    logit lenses, recorders), a module whose ``forward`` was replaced on the instance by a
+    wrapper that changes its outputs (``forward_wrappers.py`` reads the ones that don't), or a
     module of the caller's own class put into a stock architecture (a head or layer swapped for a
     subclass with its own forward): stock's forward runs them at every step, the engine's own
     modules never do. transformers' own hooks (output capturing, input grads) leave the values
@@ -103,11 +105,9 @@ def hook_refusal(model) -> Refusal | None:
                 "engine runs its own modules from the model's weights",
             )
         if "forward" in vars(module) and not hasattr(module, "_hf_hook"):
-            return Refusal(
-                "patched_forward",
-                f"{name or 'the model'!r} has its own forward set on the instance, which runs "
-                "in stock's forward only: restore the class's forward to serve the model paged",
-            )
+            refusal = instance_forward_refusal(module, name)  # trainers' wrappers are read
+            if refusal is not None:
+                return refusal
         for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
             fn = getattr(hook, "func", hook)  # a functools.partial: the function inside
             if not getattr(fn, "__module__", "").startswith("transformers."):
@@ -131,7 +131,7 @@ def check_servable(model, hf_config=None) -> None:
         return
     if refusal.reason.startswith("quantized_"):
         raise ValueError(refusal.tagged())
-    if refusal.reason in ("module_hooks", "patched_forward", "custom_modules"):
+    if refusal.reason in ("module_hooks", "patched_forward", "custom_modules", "autocast"):
         raise ValueError(f"model=<{type(model).__name__}> is not allowed: {refusal.tagged()}")
     raise ValueError(
         f"model=<PEFT model> is not allowed: {refusal.tagged()}; the engine serves plain LoRA "

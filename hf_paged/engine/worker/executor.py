@@ -29,6 +29,10 @@ class LocalExecutor:
     def run_async(self, inp: ModelInput, sampling, prev, prev_rows):
         return self.runner.run_async(inp, sampling, prev, prev_rows)
 
+    def refresh_weights(self, weights: list) -> int:
+        self.runner.refresh_weights(weights, dry_run=True)  # a bad pair changes nothing
+        return self.runner.refresh_weights(weights)
+
     def close(self) -> None:
         self.runner.exit()
 

@@ -232,8 +232,9 @@ class ModelRunner:
                 ).num_blocks
             except KVCacheMemoryError as exc:
                 num_blocks, error = 0, exc
-        else:
-            num_blocks = _CPU_DEFAULT_KV_BYTES // block_bytes
+        else:  # CPU: the engine's whole work (every sequence at full length), within a cap
+            full_batch = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
+            num_blocks = min(_CPU_DEFAULT_KV_BYTES // block_bytes, full_batch)
         own = num_blocks
         t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
@@ -254,6 +255,24 @@ class ModelRunner:
             )
         self._set_kv_cache(num_blocks)
         return num_blocks
+
+    @torch.inference_mode(False)
+    def refresh_weights(
+        self, weights: list[tuple[str, torch.Tensor]], dry_run: bool = False
+    ) -> int:
+        """Copy ``(HF name, full tensor)`` pairs into this rank's parameters, in place (the KV
+        cache, graphs and buffers stay as they are). Returns how many tensors were copied;
+        ``dry_run`` judges names and shapes and writes nothing.
+
+        Raises:
+            NotImplementedError: the model has no ``refresh_weights`` (the caller rebuilds).
+            ValueError: a name the model lacks or a shape that does not fit.
+        """
+        refresh = getattr(self.model, "refresh_weights", None)
+        if refresh is None:
+            raise NotImplementedError(f"{type(self.model).__name__} has no refresh_weights")
+        with timings.span("engine.refresh_weights"):
+            return refresh(weights, dry_run=dry_run)
 
     def capture_cudagraph(self) -> None:
         from hf_paged.engine.worker.cuda_graph import DecodeGraphRunner

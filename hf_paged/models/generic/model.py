@@ -34,7 +34,11 @@ from hf_paged.models.generic.support import (
     static_reason,
 )
 from hf_paged.models.generic.tp import apply_tp_plan, tp_plan_problem
-from hf_paged.models.generic.weights import load_from_checkpoint, load_from_module
+from hf_paged.models.generic.weights import (
+    load_from_checkpoint,
+    load_from_module,
+    refresh_weights,
+)
 from hf_paged.models.recurrent import registry
 from hf_paged.models.recurrent.base import StateSpec
 from hf_paged.refusal import Refusal
@@ -160,6 +164,11 @@ class GenericForCausalLM(nn.Module):
 
             self.cuda_graph_reason = cuda_graph_problem(self, self.ctx.kv_block_size)
             self.supports_cuda_graph = self.cuda_graph_reason is None
+
+    def refresh_weights(self, weights, dry_run: bool = False) -> int:
+        """Copy ``(HF name, full tensor)`` pairs into the parameters, in place (the protocol's
+        optional refresh; ``weights.refresh_weights``). Returns how many were copied."""
+        return refresh_weights(self.hf_model, weights, self.shard_rules, dry_run)
 
     def forward(
         self,

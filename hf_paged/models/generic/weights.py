@@ -8,6 +8,10 @@
   onto a parameter; a checkpoint that needs merging (``WeightConverter``: per-expert MoE weights
   into 3-D tensors...) is loaded by transformers' own ``from_pretrained`` and then shared as an
   in-memory model.
+
+``refresh_weights`` copies ``(name, tensor)`` pairs into the engine's parameters, in place (a
+fused group's members are views of its one buffer, so the fused weight follows), skipping a
+tensor that is the parameter's own storage (adopted at load).
 """
 
 from __future__ import annotations
@@ -49,6 +53,33 @@ def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, 
                 buf.copy_(src.to(buf.device))
     if missing:
         raise ValueError(f"the in-memory model lacks parameters {missing[:8]}")
+
+
+def refresh_weights(model: nn.Module, weights, rules=None, dry_run: bool = False) -> int:
+    """Copy ``(parameter name, full tensor)`` pairs into ``model``'s parameters (this rank's part
+    under ``rules``), in place; returns how many were (``dry_run``: would be, with nothing
+    written) copied.
+
+    Raises:
+        ValueError: a name ``model`` lacks or a shape that does not fit.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    copied = 0
+    with torch.no_grad():
+        for name, src in weights:
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"{name!r} is not a parameter of this model")
+            if src.data_ptr() == param.data_ptr():
+                continue  # adopted at load: the engine computes with the source itself
+            rule = (rules or {}).get(name)
+            value = rule.apply(src.detach()) if rule is not None else src.detach()
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{name!r}: shape {tuple(value.shape)} does not fit")
+            if not dry_run:
+                param.copy_(value)
+            copied += 1
+    return copied
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

@@ -167,6 +167,17 @@ class TPExecutor:
         held.raise_if_pending()  # every rank finished the step: safe to stop here
         return out
 
+    def refresh_weights(self, weights: list) -> int:
+        """Every rank copies its part of the full tensors ``weights`` (``(HF name, tensor)``),
+        sent to the workers through the step channel (on the host), before any later step;
+        rank 0's count of copies is returned."""
+        if self._broken is not None:
+            raise RuntimeError(f"this tensor-parallel engine cannot run any more: {self._broken}")
+        self.runner.refresh_weights(weights, dry_run=True)  # a bad pair: no rank changes
+        host = [(name, t.detach().cpu()) for name, t in weights]
+        self.group.broadcast("refresh_weights", host)
+        return self.runner.refresh_weights(weights)
+
     def _stop(self, reason: str) -> None:
         self._broken = reason
         self.group.close(timeout=1.0)

@@ -1,0 +1,49 @@
+"""TRL's GRPOTrainer under ``hf-paged run`` (``examples/rl_grpo.py``: 5 steps, ``use_cpu``,
+greedy ``generation_kwargs``, fp32, completions of at most 64 tokens to keep it short): every rollout runs on the paged engine (``--report``), each
+step's rollouts equal stock's run of the same script, and one engine serves all five steps (one
+start, so one KV cache allocation), its weights refreshed in place after each optimizer step.
+The two runs are fresh processes started together."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.entrypoints.cli.procs import finish, start_python
+
+pytest.importorskip("trl")
+
+STEPS = 5
+ARGS = ["--steps", str(STEPS), "--max-completion-length", "64"]
+
+
+def test_grpo_rollouts_run_paged_and_equal_stock(tmp_path):
+    script = os.path.join("examples", "rl_grpo.py")
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    outs = {kind: str(tmp_path / f"{kind}.jsonl") for kind in ("paged", "stock")}
+    procs = {
+        "paged": start_python(["-m", "hf_paged.entrypoints.cli", "run", "--report", script,
+                               *ARGS, "--out", outs["paged"]], env),
+        "stock": start_python(["-m", "hf_paged.entrypoints.cli", "run", "--backend", "hf",
+                               script, *ARGS, "--out", outs["stock"]], env),
+    }  # fmt: skip
+    try:
+        done = {kind: finish(p, timeout=600) for kind, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for kind, (code, _, err) in done.items():
+        assert code == 0, f"{kind} exited with {code}:\n{err[-3000:]}"
+    err = done["paged"][2]
+    assert f"served by the paged engine: {STEPS} generate call(s)" in err, err[-3000:]
+    assert "PagedFallbackWarning" not in err
+    assert err.count("starting an engine") == 1, err[-3000:]  # no rebuild, no new KV cache
+    assert err.count("changed weights refreshed in the engine") == STEPS - 1
+    paged, stock = ([json.loads(line) for line in open(outs[k])] for k in ("paged", "stock"))
+    assert len(paged) == STEPS and all(len(step) == 8 for step in paged)
+    for step, (p, s) in enumerate(zip(paged, stock, strict=True)):
+        assert p == s, f"step {step}"
