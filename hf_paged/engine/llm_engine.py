@@ -231,11 +231,15 @@ class LLMEngine:
             pos = torch.arange(n)
             slots.append(table[pos // size] * size + pos % size)
         kv = self.executor.runner.kv_cache
-        index = torch.cat(slots).to(self.runtime.device) if slots else torch.zeros(0, dtype=torch.long)
+        index = (
+            torch.cat(slots).to(self.runtime.device) if slots else torch.zeros(0, dtype=torch.long)
+        )
         out = []
         for i in range(len(kv)):
             k, v = kv[i]  # [num_blocks, block_size, H, D]
-            out.append((k.flatten(0, 1).index_select(0, index), v.flatten(0, 1).index_select(0, index)))
+            out.append(
+                (k.flatten(0, 1).index_select(0, index), v.flatten(0, 1).index_select(0, index))
+            )
         return out
 
     # ---- driving requests ---------------------------------------------------------------

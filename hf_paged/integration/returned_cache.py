@@ -110,12 +110,26 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
 def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, str] | None:
     """(reason, message) when the call's cache duties need stock, judged without the engine."""
     gen = call.generation_config
+    if passed is None and not wants:
+        return None
+    from hf_paged.models.recurrent.registry import recurrent_modules
+
+    found = recurrent_modules(model)
+    if found:
+        return "recurrent_cache", (
+            f"the cache of a model with recurrent layers ({type(found[0][1]).__name__}) holds "
+            "their conv and recurrent states"
+        )
     if passed is not None:
         if isinstance(passed, (tuple, list)):
             return "past_key_values", "a legacy tuple cache was passed in (stock decides)"
         name = type(passed).__name__
-        if type(passed) is not DynamicCache or passed.offloading or not all(
-            type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in passed.layers
+        if (
+            type(passed) is not DynamicCache
+            or passed.offloading
+            or not all(
+                type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in passed.layers
+            )
         ):
             return "past_key_values", f"a {name} with its own layers was passed in"
         if gen.cache_implementation is not None:
@@ -127,20 +141,10 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
             return "past_key_values", f"the cache passed in holds another batch than {rows} rows"
         if length >= call.input_ids.shape[1]:
             return "past_key_values", "the cache passed in covers all of input_ids"
-    if passed is None and not wants:
-        return None
     if gen.cache_implementation not in _SERVED_IMPLEMENTATIONS and wants:
         return "cache_implementation", (
             f"cache_implementation={gen.cache_implementation!r} stores its cache in a form "
             "(quantized or offloaded) the engine's KV blocks are not copied into"
-        )
-    from hf_paged.models.recurrent.registry import recurrent_modules
-
-    found = recurrent_modules(model)
-    if found:
-        return "recurrent_cache", (
-            f"the returned cache of a model with recurrent layers ({type(found[0][1]).__name__}) "
-            "holds their conv and recurrent states"
         )
     return None
 
@@ -214,7 +218,10 @@ def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
     for layer, (k, v) in zip(cache.layers, ours, strict=False):
         n = layer.keys.shape[-2]  # a sliding layer keeps the last ``n`` positions
         keep = mask[:, length - n :]
-        for held, mine in ((layer.keys, k[:, :, length - n :]), (layer.values, v[:, :, length - n :])):
+        for held, mine in (
+            (layer.keys, k[:, :, length - n :]),
+            (layer.values, v[:, :, length - n :]),
+        ):
             a, b = held.transpose(1, 2)[keep], mine.transpose(1, 2)[keep].to(held)
             scale = float(a.abs().max()) if a.numel() else 1.0
             if not torch.allclose(a, b, rtol=tol, atol=tol * max(scale, 1.0)):
@@ -246,7 +253,9 @@ def fill(contract: CacheContract, engine, sequences: torch.Tensor, prompt_mask: 
     return cache
 
 
-def padded_kv(engine, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def padded_kv(
+    engine, ids: torch.Tensor, mask: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every KV layer's ``(k [N, H, S, D], v [N, H, S, Dv])`` for ``ids`` ``[N, S]``: the
     engine's KV of each row's attended tokens at their positions, zeros at masked ones."""
     mask = mask.bool().cpu()
