@@ -209,7 +209,7 @@ class LLMEngine:
     def request_kv(self, request_ids: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every KV layer's keys and values of the requests' computed tokens, the requests'
         tokens one after another: ``[(k [T, H, D], v [T, H, Dv])]`` per KV layer, one gather
-        per layer (``integration/returned_cache.py`` builds stock's cache from it). A paused
+        per layer (``integration/contract/cache.py`` builds stock's cache from it). A paused
         external-sampling request has every token computed.
 
         Raises:

@@ -40,10 +40,10 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.core.request_loop import RequestGroup
+from hf_paged.integration.contract.cache import CacheContract, check_passed, fill, output_field
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import check_fits
 from hf_paged.integration.prepare import PreparedCall
-from hf_paged.integration.returned_cache import CacheContract, check_passed, fill, output_field
 
 
 def generate_beams(model, engine, call: PreparedCall, contract: CacheContract | None = None):

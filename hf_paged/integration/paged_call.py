@@ -23,16 +23,16 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_paged.integration.beam_search import generate_beams
-from hf_paged.integration.external import run_external
-from hf_paged.integration.plan import PlanCache
-from hf_paged.integration.prepare import PreparedCall
-from hf_paged.integration.returned_cache import (
+from hf_paged.integration.contract.cache import (
     cache_contract,
     check_passed,
     fill,
     output_field,
     take_passed_cache,
 )
+from hf_paged.integration.external import run_external
+from hf_paged.integration.plan import PlanCache
+from hf_paged.integration.prepare import PreparedCall
 from hf_paged.integration.route import Beams, DraftHold, External, Native, route
 
 
@@ -50,7 +50,7 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
         ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate`` (a
         ``GenerateBeamDecoderOnlyOutput`` for beams), its cache stock's
-        (``returned_cache.py``). A cache passed in is filled in place, as stock fills it.
+        (``contract/cache.py``). A cache passed in is filled in place, as stock fills it.
 
     Raises:
         PagedFallback: before any request is queued.

@@ -1,6 +1,6 @@
 """Every ``GenerationConfig`` option and ``generate`` argument is a visible decision: served or
 run stock under a reason key the code raises, and listed in docs/generate_options.md. A new
-transformers option fails here until ``integration/generate_options.py`` decides it."""
+transformers option fails here until ``integration/contract/options.py`` decides it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 from transformers import GenerationConfig
 from transformers.generation import GenerationMixin, GenerationMode
 
-from hf_paged.integration.generate_options import (
+from hf_paged.integration.contract.options import (
     GENERATE_ARGUMENTS,
     GENERATION_CONFIG_OPTIONS,
     SERVED,
@@ -44,7 +44,7 @@ def _reason_keys() -> set[str]:
 
 def test_every_fallback_status_is_a_reason_the_code_raises():
     source = "\n".join(
-        p.read_text() for p in (ROOT / "hf_paged").rglob("*.py") if p.name != "generate_options.py"
+        p.read_text() for p in (ROOT / "hf_paged").rglob("*.py") if p.name != "options.py"
     )
     modes = {m.value for m in GenerationMode}  # raised as the generation mode's own name
     missing = {k for k in _reason_keys() if k not in modes and f'"{k}"' not in source}

@@ -92,7 +92,6 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
         raise PagedFallback(*refusal)
     if passed is not None:
         cache = passed
-        passed._is_user_defined = True  # as stock marks it
     elif use_cache and default_ok:
         cache = _stock_cache(model, call)
     else:
@@ -302,7 +301,7 @@ def _group_kv(engine, rows: list[list[int]]):
         return None
     params = SamplingParams(temperature=0.0, max_tokens=1)
     with engine.request_group() as group:
-        rids = [group.add(EngineRequest(r, params), external_sampling=True) for r in rows]
+        rids = [group.add(EngineRequest(r, params, external_sampling=True)) for r in rows]
         group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r in rows) + 16)
         kv = engine.request_kv(rids)
         for rid in rids:

@@ -33,7 +33,7 @@ GENERATION_CONFIG_OPTIONS: dict[str, tuple[str, str]] = {
     "force_words_ids": ("constrained_beam_search", "constrained beam search is hub code"),
     "low_memory": ("low_memory", "stock's beam search refuses it; stock raises its own error"),
     # cache and compilation
-    "use_cache": (SERVED, "True: stock's cache is returned (returned_cache.py); False: none"),
+    "use_cache": (SERVED, "True: stock's cache is returned (contract/cache.py); False: none"),
     "cache_implementation": (
         "cache_implementation | recurrent_cache",
         "dynamic and static (and their sliding / hybrid forms) are returned as stock's class; "
