@@ -35,6 +35,7 @@ from hf_paged.engine.core.block_manager import BlockManager
 from hf_paged.engine.core.contracts import TakenTokens
 from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.prompt_embeds import check_prompt_embeds
 from hf_paged.engine.core.request import (
     EngineRequest,
     check_request,
@@ -155,6 +156,8 @@ class LLMEngine:
             )
         ids = self.validate_prompt(request.prompt_token_ids)
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
+        if request.prompt_embeds is not None:
+            check_prompt_embeds(request.prompt_embeds, len(ids), self.hf_config, self.runtime.mrope)
         matcher = self._stop_matchers.get(params.stop, request.stop_strings, self.tokenizer)
         rid = next(self._ids) if request.request_id is None else request.request_id
         req = RequestState.build(
@@ -162,6 +165,8 @@ class LLMEngine:
             self.runtime.eos_token_ids, matcher, proposer,
         )  # fmt: skip
         req.beam_search = request.beam_search
+        for seq in req.seqs:
+            seq.prompt_embeds = request.prompt_embeds
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
