@@ -35,6 +35,7 @@ from hf_paged.engine.core.block_manager import BlockManager
 from hf_paged.engine.core.contracts import TakenTokens
 from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
+from hf_paged.engine.core.prompt_embeds import check_prompt_embeds
 from hf_paged.engine.core.request import (
     EngineRequest,
     check_request,
@@ -155,6 +156,8 @@ class LLMEngine:
             )
         ids = self.validate_prompt(request.prompt_token_ids)
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
+        if request.prompt_embeds is not None:
+            check_prompt_embeds(request.prompt_embeds, len(ids), self.hf_config, self.runtime.mrope)
         matcher = self._stop_matchers.get(params.stop, request.stop_strings, self.tokenizer)
         rid = next(self._ids) if request.request_id is None else request.request_id
         req = RequestState.build(
@@ -162,6 +165,8 @@ class LLMEngine:
             self.runtime.eos_token_ids, matcher, proposer,
         )  # fmt: skip
         req.beam_search = request.beam_search
+        for seq in req.seqs:
+            seq.prompt_embeds = request.prompt_embeds
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -236,6 +241,42 @@ class LLMEngine:
         request ``r`` continuing old beam ``parents[r][j]`` with ``token_ids[r][j]``, in one call
         (``ExternalSequences.provide_beams``)."""
         self.external.provide_beams(request_ids, parents, token_ids)
+
+    def request_kv(self, request_ids: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every KV layer's keys and values of the requests' computed tokens, the requests'
+        tokens one after another: ``[(k [T, H, D], v [T, H, Dv])]`` per KV layer, one gather
+        per layer (``integration/contract/cache.py`` builds stock's cache from it). A paused
+        external-sampling request has every token computed.
+
+        Raises:
+            ValueError: with tensor parallelism (each rank holds part of the heads), or a
+                request unknown or not holding its blocks.
+        """
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError("request_kv reads rank 0's KV heads only: tensor_parallel_size=1")
+        size, slots = self.config.kv_block_size, []
+        for rid in request_ids:
+            req = self.requests.by_id.get(rid)
+            if req is None or len(req.seqs) != 1:
+                raise ValueError(f"request_id={rid!r} is not a running single-sequence request")
+            seq = req.seqs[0]
+            n = seq.num_computed_tokens
+            if len(seq.block_table) * size < n:
+                raise ValueError(f"request_id={rid!r} does not hold its KV blocks")
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            pos = torch.arange(n)
+            slots.append(table[pos // size] * size + pos % size)
+        kv = self.executor.runner.kv_cache
+        index = (
+            torch.cat(slots).to(self.runtime.device) if slots else torch.zeros(0, dtype=torch.long)
+        )
+        out = []
+        for i in range(len(kv)):
+            k, v = kv[i]  # [num_blocks, block_size, H, D]
+            out.append(
+                (k.flatten(0, 1).index_select(0, index), v.flatten(0, 1).index_select(0, index))
+            )
+        return out
 
     # ---- driving requests ---------------------------------------------------------------
 

@@ -38,6 +38,21 @@ class RuntimeInfo:
     # layers (a cached KV prefix has no state snapshot to start from); the config stays as given
     enable_prefix_caching: bool = True
 
+    @property
+    def mrope(self) -> bool:
+        """The decoder's rotary takes ``[3, T]`` positions (Qwen's M-RoPE)."""
+        return mrope_section(self.hf_config) is not None
+
+
+def mrope_section(hf_config) -> list[int] | None:
+    """The M-RoPE section sizes of a config's text decoder (Qwen2/2.5/3-VL), or None."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(text, name, None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return list(rope["mrope_section"])
+    return None
+
 
 def _as_ids(x) -> tuple[int, ...]:
     if x is None:

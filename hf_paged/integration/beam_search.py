@@ -40,25 +40,35 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.core.request_loop import RequestGroup
+from hf_paged.integration.contract.cache import CacheContract, check_passed, fill, output_field
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.plan import check_fits
 from hf_paged.integration.prepare import PreparedCall
 
 
-def generate_beams(model, engine, call: PreparedCall):
+def generate_beams(model, engine, call: PreparedCall, contract: CacheContract | None = None):
     """Run a prepared ``num_beams > 1`` call (beam search or beam sampling) on ``engine``.
 
     Returns:
         What stock returns: the ``[B * num_return_sequences, L + T]`` sequences, or a
-        ``GenerateBeamDecoderOnlyOutput`` with ``return_dict_in_generate``.
+        ``GenerateBeamDecoderOnlyOutput`` with ``return_dict_in_generate``. Stock's cache
+        (``contract``) is its last reorder's: the running beams' tokens but the last.
 
     Raises:
         PagedFallback: before any request is queued (the call needs stock, or does not fit).
     """
     _check_beams(call, engine)
+    keep_rows = contract is not None and contract.fill  # the cache holds every row to the end
     with torch.no_grad():
-        beams, scores, logits = _run(model, engine, call)
-    return _outputs(call, beams, scores, logits)
+        if contract is not None:
+            check_passed(contract, engine, call)
+        beams, scores, logits = _run(model, engine, call, keep_rows)
+        cache = None
+        if contract is not None:
+            b, k, _ = beams.running_sequences.shape
+            running = beams.running_sequences[:, :, : beams.cur_len].reshape(b * k, beams.cur_len)
+            cache = fill(contract, engine, running, call.attention_mask)
+    return _outputs(call, beams, scores, logits, cache)
 
 
 def _check_beams(call: PreparedCall, engine) -> None:
@@ -213,15 +223,16 @@ def unobserved(call: PreparedCall) -> bool:
     )
 
 
-def _run(model, engine, call: PreparedCall):
-    """Stock's loop with the engine as the model: ``(BeamState, scores, raw logits)``."""
+def _run(model, engine, call: PreparedCall, keep_rows: bool = False):
+    """Stock's loop with the engine as the model: ``(BeamState, scores, raw logits)``;
+    ``keep_rows`` keeps finished rows stepping (their running beams reach the cache)."""
     gen, input_ids = call.generation_config, call.input_ids  # [B * K, L]
     k, prompt_len = gen.num_beams, input_ids.shape[1]
     dev, num_rows = input_ids.device, input_ids.shape[0] // k
     state = BeamState.initial(input_ids, gen)
     all_scores = () if gen.return_dict_in_generate and gen.output_scores else None
     raw_logits = () if gen.return_dict_in_generate and gen.output_logits else None
-    may_leave = unobserved(call)
+    may_leave = unobserved(call) and not keep_rows
     params = SamplingParams(temperature=0.0, max_tokens=gen.max_length - prompt_len)
     with engine.request_group() as batch:
         rids = [
@@ -282,7 +293,7 @@ def _gather_logits(batch: RequestGroup, rids, live, num_slots: int, k: int, budg
     return torch.stack(rows)
 
 
-def _outputs(call: PreparedCall, state: BeamState, all_scores, raw_logits):
+def _outputs(call: PreparedCall, state: BeamState, all_scores, raw_logits, cache=None):
     """Stock's step 5: the best ``num_return_sequences`` per row, cropped to the longest."""
     gen = call.generation_config
     n, prompt_len = gen.num_return_sequences, call.input_ids.shape[1]
@@ -300,4 +311,5 @@ def _outputs(call: PreparedCall, state: BeamState, all_scores, raw_logits):
         scores=all_scores,
         logits=raw_logits,
         beam_indices=beam_indices,
+        **{output_field(): cache},
     )

@@ -23,6 +23,13 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_paged.integration.beam_search import generate_beams
+from hf_paged.integration.contract.cache import (
+    cache_contract,
+    check_passed,
+    fill,
+    output_field,
+    take_passed_cache,
+)
 from hf_paged.integration.external import run_external
 from hf_paged.integration.plan import PlanCache
 from hf_paged.integration.prepare import PreparedCall
@@ -41,28 +48,33 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
 
     Returns:
         What stock returns: the ``[B, L + T]`` sequences tensor, or a
-        ``GenerateDecoderOnlyOutput`` (no cache) with ``return_dict_in_generate`` (a
-        ``GenerateBeamDecoderOnlyOutput`` for beams).
+        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate`` (a
+        ``GenerateBeamDecoderOnlyOutput`` for beams), its cache stock's
+        (``contract/cache.py``). A cache passed in is filled in place, as stock fills it.
 
     Raises:
         PagedFallback: before any request is queued.
     """
     engine = functools.cache(get_engine)  # built once, when the route first needs it
+    passed = take_passed_cache(generate_kwargs)
     # the stack holds an assistant model's engine for the call
     with torch.no_grad(), contextlib.ExitStack() as stack:
         drafts = DraftHold(stack, engine, hold_assistant)
         way = route(model, generate_kwargs, lambda: engine().runtime, drafts=drafts)
+        contract = cache_contract(model, way.call, passed, engine)
         if isinstance(way, Beams):  # beam search / beam sampling
-            return generate_beams(model, engine(), way.call)
+            return generate_beams(model, engine(), way.call, contract)
+        check_passed(contract, engine(), way.call)
         if isinstance(way, External):
             sequences, scores, logits = run_external(engine(), way.call)
         else:
             outs = engine().run(way.requests)
             sequences, scores, logits = way.sequences([o.token_ids for o in outs]), None, None
+        cache = fill(contract, engine(), sequences, way.call.attention_mask)
     if not way.call.generation_config.return_dict_in_generate:
         return sequences
-    # no cache field: transformers 5.17 names it past_key_values, 5.24 cache; both default None
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+    fields = {output_field(): cache}  # transformers 5.17 names it past_key_values, 5.24 cache
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **fields)
 
 
 # the many-prompt front ends' names for the route (pipeline/streaming.py, lm_eval/generate_until.py)

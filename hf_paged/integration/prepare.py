@@ -37,6 +37,7 @@ _SERVED_MODES = (
 # model kwargs a paged call can take: everything else (position_ids, token_type_ids, pixel
 # values ...) changes what the model computes, so the call runs stock
 _MODEL_KWARGS = frozenset({"attention_mask", "use_cache", "logits_to_keep"})
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")  # generate's names, new to old
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PreparedCall:
     assisted: bool = False  # assisted decoding (prompt lookup or an assistant model)
     assistant_model: object | None = None
     beams: bool = False  # beam search or beam sampling (num_beams > 1; ``beam_search.py``)
+    attention_mask: torch.Tensor | None = None  # [B, L] 0/1, rows repeated like input_ids
 
 
 def prepare_call(
@@ -153,6 +155,7 @@ def prepare_call(
         assisted=mode == GenerationMode.ASSISTED_GENERATION,
         assistant_model=assistant_model,
         beams=mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE),
+        attention_mask=mask,
     )
 
 
@@ -165,6 +168,8 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
     if input_name != "input_ids" or inputs_tensor.dim() != 2:
         raise PagedFallback("inputs_embeds", "the prompt is not a 2-D input_ids tensor")
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
+    if any(k in CACHE_KWARGS for k in extra):  # ``generate_paged`` takes it out and serves it
+        raise PagedFallback("past_key_values", "a cache was passed to a many-prompt front end")
     if extra:
         raise PagedFallback("model_kwargs", f"model inputs {extra} are passed to the forward")
     mask = model_kwargs.get("attention_mask")

@@ -16,8 +16,6 @@ from hf_paged.models import peft
 from hf_paged.models.servable import servable_refusal
 from hf_paged.refusal import Refusal
 
-_CACHE_KWARGS = ("past_key_values", "cache", "cache_params")
-
 
 def precheck(model, args: dict, kwargs: dict, *, model_checks: bool = True) -> Refusal | None:
     """Why the call can't go paged, or None.
@@ -49,8 +47,6 @@ def _call_refusal(model, args: dict, kwargs: dict) -> Refusal | None:
         )
     if args.get("assistant_model") is not None and args["assistant_model"] is model:
         return Refusal("assisted_self", "assistant_model is the model itself")
-    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-        return Refusal("past_key_values", "a cache was passed in")
     if args.get("synced_gpus"):
         return Refusal("synced_gpus", "synced_gpus=True")
     if args.get("negative_prompt_ids") is not None or (

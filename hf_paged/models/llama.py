@@ -232,9 +232,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        embeds=None,
+    ) -> torch.Tensor:  # fmt: skip
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if embeds is not None:  # prompt embeddings (``StepEmbeds``) instead of some ids'
+            hidden = embeds.scatter(hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, head_dim] each
         residual = None
         for layer in self.layers:
@@ -343,8 +346,11 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
+        embeds=None,  # StepEmbeds: prompt-embedding rows (``worker/step_inputs.py``)
     ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, meta)
+        if embeds is not None and embeds.deepstack is not None:
+            raise ValueError("the native decoder takes no DeepStack rows (a Qwen3-VL input)")
+        return self.model(input_ids, positions, meta, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] logits in the model dtype on rank 0; None on other ranks."""

@@ -57,7 +57,12 @@ class PagedModel(Protocol):
         input_ids: torch.Tensor,  # [T] int64, flattened ragged batch
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
+        embeds=None,
     ) -> torch.Tensor:  # hidden [T, H]
+        """Hidden states of a step. ``embeds`` (a ``StepEmbeds``, prefill steps only) holds
+        rows to feed instead of the embeddings of some ids (``embeds.scatter``); the runner
+        passes it only when a chunk has prompt embeddings. ``positions`` is ``[3, T]`` on an
+        M-RoPE model's prefill steps with multimodal positions."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -188,6 +188,19 @@ class FakeEngine:
         if req is not None and req.reason is None:
             req.reason = "abort"
 
+    def request_kv(self, rids) -> list:
+        """``LLMEngine.request_kv``'s answer from an HF forward over each request's tokens."""
+        per_req = []
+        for rid in rids:
+            req = self.requests[rid]
+            with torch.no_grad():
+                cache = self.model(input_ids=torch.tensor([req.prompt + req.tokens]),
+                                   use_cache=True).past_key_values  # fmt: skip
+            per_req.append([(lay.keys[0].transpose(0, 1), lay.values[0].transpose(0, 1))
+                            for lay in cache.layers])  # fmt: skip
+        return [(torch.cat([r[i][0] for r in per_req]), torch.cat([r[i][1] for r in per_req]))
+                for i in range(len(per_req[0]))]  # fmt: skip
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     LogitsProcessor,
     T5Config,
     T5ForConditionalGeneration,
@@ -96,14 +95,6 @@ def _call_cases(llama):
         "custom_generate": (
             "custom_generate",
             lambda: dict(base, input_ids=IDS, custom_generate=_custom_generate),
-        ),
-        "past_key_values": (
-            "past_key_values",
-            lambda: dict(base, input_ids=IDS, past_key_values=DynamicCache(config=llama.config)),
-        ),
-        "cache": (
-            "past_key_values",
-            lambda: dict(base, input_ids=IDS, cache=DynamicCache(config=llama.config)),
         ),
         "output_attentions": (
             "output_attentions",

@@ -69,8 +69,9 @@ def test_no_input_starts_from_bos_and_return_dict_without_scores(model):
     assert type(paged) is type(stock)
     assert torch.equal(paged.sequences, stock.sequences) and paged.sequences[0, 0] == 1
     assert paged.scores is None and paged.logits is None
-    assert getattr(paged, "cache", None) is None  # transformers 5.17 names it past_key_values
-    assert getattr(paged, "past_key_values", None) is None
+    # stock's cache comes back (contract/cache.py; transformers 5.17 names it past_key_values)
+    assert type(paged.cache) is type(stock.cache)
+    assert paged.cache.get_seq_length() == stock.cache.get_seq_length()
 
 
 @pytest.mark.parametrize(
@@ -225,7 +226,8 @@ def test_scores_and_logits_allclose(model, batch):
             assert p.shape == s.shape == (ids.shape[0], 256)
             # finished rows too: the engine keeps being fed their pad tokens, like stock
             torch.testing.assert_close(p, s, atol=1e-4, rtol=1e-4)
-    assert getattr(paged, "cache", getattr(paged, "past_key_values", None)) is None
+    assert type(paged.cache) is type(stock.cache)  # its content: test_contract/cache.py
+    assert paged.cache.get_seq_length() == stock.cache.get_seq_length()
 
 
 @pytest.mark.parametrize("with_scores", [False, True], ids=["plain", "output_scores"])

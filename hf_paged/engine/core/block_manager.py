@@ -25,10 +25,19 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence as SequenceLike
 
+from hf_paged.engine.core.prompt_embeds import block_extra_keys
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.engine.core.state_slots import StateSlots
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash or None, the block's tokens)
+
+
+def block_key_tokens(seq: Sequence, i: int, bs: int) -> tuple:
+    """What block ``i`` of ``seq`` holds, as its prefix-cache key sees it: its token ids, then
+    ``("embeds", key, offset)`` for each prompt-embedding range overlapping it (an image's hash
+    and where it starts relative to the block; ``core/prompt_embeds.py``)."""
+    tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+    return tokens + block_extra_keys(seq.prompt_embeds, i * bs, (i + 1) * bs)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -122,7 +131,7 @@ class BlockManager:
         ids: list[int] = []
         parent: int | None = None
         for i in range(max_hits):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = block_key_tokens(seq, i, bs)
             h = hash_block(parent, tokens)
             block_id = self._cached.get(h)
             if block_id is None or self._block_key[block_id] != (parent, tokens):
@@ -214,7 +223,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = block_key_tokens(seq, i, bs)
             h = hash_block(parent, tokens)
             seq.block_hashes.append(h)
             block_id = seq.block_table[i]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_paged.engine.core.prompt_embeds import ChunkEmbeds, chunk_embeds, chunk_positions
 from hf_paged.engine.core.sequence import Sequence
 
 
@@ -47,10 +48,25 @@ class SchedulerOutput:
                                    state_slot=seq.state_slot)  # fmt: skip
             if spec and sample:
                 chunk.num_logits = 1 + len(spec)
+            pe = seq.prompt_embeds
+            if pe is not None:
+                _add_prompt_embeds(chunk, pe, seq.num_prompt_tokens)
             chunks.append(chunk)
             if sample:
                 sampled.append(seq)
         return ModelInput(chunks, self.blocks_to_copy, self.states_to_copy), sampled
+
+
+def _add_prompt_embeds(chunk: ScheduledChunk, pe, prompt_len: int) -> None:
+    """The chunk's share of its request's ``PromptEmbeds``: rows inside its window, M-RoPE
+    positions (a decode token needs only the delta)."""
+    n = len(chunk.token_ids)
+    if chunk.start_pos < prompt_len:
+        chunk.embeds = chunk_embeds(pe, chunk.start_pos, n)
+    if pe.positions is not None:
+        chunk.position_delta = pe.position_delta
+        if not (n == 1 and chunk.start_pos >= prompt_len):
+            chunk.mrope_positions = chunk_positions(pe, prompt_len, chunk.start_pos, n)
 
 
 @dataclass
@@ -82,6 +98,12 @@ class ScheduledChunk:
     # recurrent models: the sequence's state-pool slot (0: none, or the dummy); its state
     # holds the tokens before ``start_pos`` when ``start_pos > 0``
     state_slot: int = 0
+    # rows fed instead of embed(id) at some of the chunk's positions (prompt embeddings)
+    embeds: ChunkEmbeds | None = None
+    # M-RoPE models: the chunk's positions [3, n] (None: a decode token, at start_pos + delta
+    # on every section), and the delta of positions past the prompt
+    mrope_positions: object | None = None
+    position_delta: int = 0
 
 
 @dataclass
@@ -96,8 +118,11 @@ class ModelInput:
 
     @property
     def is_decode(self) -> bool:
-        """Every chunk is one token that is sampled (CUDA-graph eligible)."""
-        return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
+        """Every chunk is one token that is sampled from its id (CUDA-graph eligible)."""
+        return all(
+            len(c.token_ids) == 1 and c.sample and c.embeds is None and c.mrope_positions is None
+            for c in self.chunks
+        )
 
     @classmethod
     def synthetic_prefill(cls, lens: list[int], blocks_per_seq: int) -> ModelInput:

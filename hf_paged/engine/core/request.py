@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hf_paged.config import SamplingParams
+from hf_paged.engine.core.prompt_embeds import PromptEmbeds
 from hf_paged.engine.core.proposer import Proposer, check_proposer
 from hf_paged.engine.core.stop import StopMatcher
 
@@ -44,6 +45,11 @@ class EngineRequest:
     # (with ``external_sampling``) its sequences are beams the caller replaces at once with
     # ``provide_beams``; ``step`` hands out their logits per beam
     beam_search: bool = False
+    # rows fed instead of embed(id) at some prompt positions (``generate(inputs_embeds=)``,
+    # image features at their placeholder runs) and M-RoPE positions: a ``PromptEmbeds``
+    # (``engine/core/prompt_embeds.py``); None: every prompt position from its id. Decode
+    # always runs on ids.
+    prompt_embeds: PromptEmbeds | None = None
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:

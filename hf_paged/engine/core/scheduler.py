@@ -15,9 +15,17 @@ from __future__ import annotations
 
 from collections import deque
 
-from hf_paged.engine.core.block_manager import BlockManager
+from hf_paged.engine.core.block_manager import BlockManager, block_key_tokens
 from hf_paged.engine.core.contracts import SchedulerOutput
 from hf_paged.engine.core.sequence import Sequence, SequenceStatus
+
+
+def _same_embeds(a: Sequence, b: Sequence, num_blocks: int, bs: int) -> bool:
+    """The first ``num_blocks`` blocks of ``a`` and ``b`` hold the same prompt embeddings (their
+    prefix-cache keys agree beyond the token ids)."""
+    if a.prompt_embeds is None and b.prompt_embeds is None:
+        return True
+    return all(block_key_tokens(a, i, bs) == block_key_tokens(b, i, bs) for i in range(num_blocks))
 
 
 class Scheduler:
@@ -173,8 +181,10 @@ class Scheduler:
             return False
         for other in prefilling.get(tuple(seq.token_ids[:bs]), ()):
             end = (len(other.block_hashes) + 1) * bs  # through its first unregistered block
-            if end <= min(limit, other.num_prompt_tokens) and (
-                seq.token_ids[:end] == other.token_ids[:end]
+            if (
+                end <= min(limit, other.num_prompt_tokens)
+                and (seq.token_ids[:end] == other.token_ids[:end])
+                and _same_embeds(seq, other, end // bs, bs)
             ):
                 return True
         return False

@@ -53,6 +53,9 @@ class Sequence:
         # speculative tokens after ``token_ids``, to be verified by the next step that runs it
         # (only requests with a proposer have any; see ``engine/spec/spec_decode.py``)
         self.spec_token_ids: list[int] = []
+        # rows the prompt feeds instead of ids at some positions, and M-RoPE positions
+        # (``core/prompt_embeds.py``); shared by the request's sequences, never written
+        self.prompt_embeds = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -95,6 +98,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.max_cached_tokens = self.max_cached_tokens
+        child.prompt_embeds = self.prompt_embeds
         return child
 
     def reset_for_recompute(self) -> None:

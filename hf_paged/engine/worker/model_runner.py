@@ -32,7 +32,7 @@ from hf_paged.engine.worker import kv_budget
 from hf_paged.engine.worker.kv_budget import KVCacheMemoryError, RunnerMemory
 from hf_paged.engine.worker.prompt_scores import score_prompt_rows
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
-from hf_paged.engine.worker.step_inputs import StepInputs
+from hf_paged.engine.worker.step_inputs import StepEmbeds, StepInputs
 from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
@@ -282,20 +282,28 @@ class ModelRunner:
     # ---- per step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run_model(self, input_ids, positions, meta, logits_indices) -> torch.Tensor | None:
+    def run_model(self, input_ids, positions, meta, logits_indices,
+                  embeds: StepEmbeds | None = None) -> torch.Tensor | None:  # fmt: skip
         """Forward pass -> logits [N_sample, V] on rank 0 (None elsewhere). Decode batches
-        replay the smallest captured graph that fits."""
+        replay the smallest captured graph that fits. ``embeds``: the step's prompt-embedding
+        rows (``StepInputs.prompt_embeds``), fed instead of the ids' embeddings."""
         if meta.is_decode and self.graph_runner is not None and self.graph_runner.fits(meta):
             hidden = self.graph_runner.replay(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            hidden = self._forward(input_ids, positions, meta, embeds)
         return self.model.compute_logits(hidden[logits_indices])
 
+    def _forward(self, input_ids, positions, meta, embeds: StepEmbeds | None) -> torch.Tensor:
+        if embeds is None:
+            return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, embeds=embeds)
+
     @torch.inference_mode()
-    def run_model_scoring(self, inp: ModelInput, input_ids, positions, meta, logits_indices):
+    def run_model_scoring(self, inp: ModelInput, input_ids, positions, meta, logits_indices,
+                          embeds: StepEmbeds | None = None):  # fmt: skip
         """``run_model`` for a step with prompt-logprob rows (never a decode graph): also
         returns their ``PromptScores`` on rank 0, still on the device (``score_prompt_rows``)."""
-        hidden = self.model(input_ids, positions, meta)  # [T, H]
+        hidden = self._forward(input_ids, positions, meta, embeds)  # [T, H]
         logits = self.model.compute_logits(hidden[logits_indices])
         scores = score_prompt_rows(self.model.compute_logits, hidden, inp.chunks,
                                    meta.cu_seqlens_q_cpu)  # fmt: skip
@@ -315,12 +323,15 @@ class ModelRunner:
             self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
             self._copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
+            embeds = None if meta.is_decode else self.inputs.prompt_embeds(inp, self.dtype)
         scores = None
         with prof.section("forward_launch"):
             if any(c.prompt_rows is not None for c in inp.chunks):
-                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+                logits, scores = self.run_model_scoring(
+                    inp, input_ids, positions, meta, logits_idx, embeds
+                )
             else:
-                logits = self.run_model(input_ids, positions, meta, logits_idx)
+                logits = self.run_model(input_ids, positions, meta, logits_idx, embeds)
         if self.rank != 0 or logits is None:
             return None
         num_rows = logits.shape[0]
@@ -371,12 +382,15 @@ class ModelRunner:
                 if pairs:
                     idx = self.inputs.to_device(np.array(pairs, dtype=np.int64).T.copy(), "prev")
                     input_ids[idx[0]] = prev.tokens[idx[1]]
+            embeds = None if meta.is_decode else self.inputs.prompt_embeds(inp, self.dtype)
         scores = None
         with prof.section("forward_launch"):
             if any(c.prompt_rows is not None for c in inp.chunks):
-                logits, scores = self.run_model_scoring(inp, input_ids, positions, meta, logits_idx)
+                logits, scores = self.run_model_scoring(
+                    inp, input_ids, positions, meta, logits_idx, embeds
+                )
             else:
-                logits = self.run_model(input_ids, positions, meta, logits_idx)
+                logits = self.run_model(input_ids, positions, meta, logits_idx, embeds)
         with prof.section("sample_launch"):
             if sampling is None:  # prefill chunks only: nothing sampled
                 return PendingTokens(logits.new_empty(0, dtype=torch.int64), scores)

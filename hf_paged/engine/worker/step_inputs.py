@@ -4,11 +4,30 @@ transfer each (through reused pinned staging buffers on CUDA)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from hf_paged.attention import AttentionMetadata
 from hf_paged.engine.core.contracts import ModelInput
+
+
+@dataclass
+class StepEmbeds:
+    """A step's prompt-embedding rows on the device, for the model's ``forward(embeds=)``: the
+    model embeds the step's ids, then puts ``rows`` at ``index`` (rows of the flattened batch).
+    ``deepstack`` rows are added after the first decoder layers at ``deepstack_index``."""
+
+    index: torch.Tensor  # [R] int64
+    rows: torch.Tensor  # [R, hidden]
+    deepstack_index: torch.Tensor | None = None  # [D] int64
+    deepstack: torch.Tensor | None = None  # [num_layers, D, hidden]
+    num_tokens: int = 0  # T, the step's tokens
+
+    def scatter(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [T, H] (the ids' embeddings) with the rows put in place (out of place)."""
+        return hidden.index_copy(0, self.index, self.rows.to(hidden.dtype))
 
 
 class StepInputs:
@@ -52,7 +71,51 @@ class StepInputs:
         host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
         dev = self.to_device(host, "inputs")
         meta = self._metadata(inp, cu, ctx, dev[2 * t : 3 * t], False, kv_cache)
-        return dev[:t], dev[t : 2 * t], meta, dev[3 * t :]
+        positions = dev[t : 2 * t]
+        if any(c.mrope_positions is not None or c.position_delta for c in inp.chunks):
+            positions = self._mrope_positions(inp, positions)
+        return dev[:t], positions, meta, dev[3 * t :]
+
+    def _mrope_positions(self, inp: ModelInput, plain: torch.Tensor) -> torch.Tensor:
+        """[3, T] positions of an M-RoPE model's step: each chunk's own, or its plain
+        positions plus its delta on every section."""
+        parts, at = [], 0
+        for c in inp.chunks:
+            n = len(c.token_ids)
+            if c.mrope_positions is not None:
+                parts.append(c.mrope_positions.to(self.device, torch.int64))
+            else:
+                parts.append((plain[at : at + n] + c.position_delta).expand(3, n))
+            at += n
+        return torch.cat(parts, dim=1)
+
+    def prompt_embeds(self, inp: ModelInput, dtype: torch.dtype) -> StepEmbeds | None:
+        """The step's prompt-embedding rows and where they go in the flattened batch, or None
+        when no chunk has any."""
+        index, rows, ds_index, ds_rows, at = [], [], [], [], 0
+        for c in inp.chunks:
+            e = c.embeds
+            if e is not None:
+                idx = [at + o for o in e.offsets]
+                index.extend(idx)
+                rows.append(e.rows)
+                if e.deepstack is not None:
+                    ds_index.extend(idx)
+                    ds_rows.append(e.deepstack)
+            at += len(c.token_ids)
+        if not rows:
+            return None
+        dev = self.to_device(np.array(index + ds_index, dtype=np.int64), "embeds")
+        deep = None
+        if ds_rows:
+            deep = torch.cat([d.to(self.device, dtype) for d in ds_rows], dim=1)
+        return StepEmbeds(
+            index=dev[: len(index)],
+            rows=torch.cat([r.to(self.device, dtype) for r in rows]),
+            deepstack_index=dev[len(index) :] if ds_rows else None,
+            deepstack=deep,
+            num_tokens=at,
+        )
 
     def decode(self, inp: ModelInput, kv_cache):
         """One token per sequence (its last sampled one). Same returns as ``prefill``."""
@@ -61,12 +124,12 @@ class StepInputs:
         n = len(chunks)
         host = np.empty((3, n), dtype=np.int64)  # input_ids, positions, slots
         host[0] = [c.token_ids[0] for c in chunks]
-        pos = [c.start_pos for c in chunks]
-        host[1] = pos
-        host[2] = [c.block_table[p // bs] for c, p in zip(chunks, pos)]
-        host[2] = host[2] * bs + host[1] % bs
+        pos = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        host[1] = pos + np.array([c.position_delta for c in chunks], dtype=np.int64)  # M-RoPE
+        host[2] = [c.block_table[p // bs] for c, p in zip(chunks, pos.tolist())]
+        host[2] = host[2] * bs + pos % bs
         dev = self.to_device(host, "inputs")
-        ctx = (host[1] + 1).tolist()
+        ctx = (pos + 1).tolist()
         meta = self._metadata(inp, list(range(n + 1)), ctx, dev[2], True, kv_cache)
         logits_idx = torch.arange(n, dtype=torch.int64, device=self.device)
         return dev[0], dev[1], meta, logits_idx

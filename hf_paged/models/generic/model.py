@@ -175,13 +175,14 @@ class GenericForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
+        embeds=None,  # StepEmbeds: prompt-embedding rows (``worker/step_inputs.py``)
     ) -> torch.Tensor:  # [T, hidden]
         with self.state.active(meta=meta):
             if self.recurrent is None:
-                return self._backbone(input_ids, positions)
+                return self._backbone(input_ids, positions, embeds)
             self.recurrent.begin(meta)
             try:
-                return self._backbone(input_ids, positions)
+                return self._backbone(input_ids, positions, embeds)
             finally:
                 self.recurrent.end()
 
@@ -204,14 +205,32 @@ class GenericForCausalLM(nn.Module):
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  embeds=None) -> torch.Tensor:  # fmt: skip
         if self._type_buffers and input_ids.shape[0] > self._type_buffers[0][1]:
             self._type_buffers = _grow_token_types(self._type_buffers, input_ids.shape[0])
-        out = self.backbone(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-        )
+        # [T] -> [1, T]; M-RoPE's [3, T] -> [3, 1, T]
+        pos = positions[None] if positions.dim() == 1 else positions[:, None]
+        if embeds is None:
+            out = self.backbone(input_ids=input_ids[None], position_ids=pos, use_cache=False)
+        else:
+            out = self.backbone(position_ids=pos, use_cache=False, **self._embed_inputs(
+                input_ids, embeds))  # fmt: skip
         self._head_output_cls = type(out)
         return out[0][0]  # last_hidden_state [1, T, hidden] -> [T, hidden]
+
+    def _embed_inputs(self, input_ids: torch.Tensor, embeds) -> dict:
+        """The backbone's keyword inputs for a step with prompt embeddings: the ids' embeddings
+        with the rows put in place, and DeepStack's rows with their positions (Qwen3-VL's text
+        model adds them after its first layers, in position order)."""
+        hidden = self.backbone.get_input_embeddings()(input_ids[None])[0]  # [T, H]
+        kwargs = {"inputs_embeds": embeds.scatter(hidden)[None]}
+        if embeds.deepstack is not None:
+            mask = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            mask[embeds.deepstack_index] = True
+            kwargs["visual_pos_masks"] = mask[None]  # [1, T]
+            kwargs["deepstack_visual_embeds"] = list(embeds.deepstack.to(hidden.dtype))
+        return kwargs
 
     def _install_head_switch(self) -> None:
         """The backbone's forward returns ``_head_hidden`` while ``compute_logits`` runs."""

@@ -1,0 +1,2 @@
+"""The rest of stock ``generate``'s contract around the paged call: the cache it returns and
+takes (``cache.py``), and the decision on every option and argument (``options.py``)."""

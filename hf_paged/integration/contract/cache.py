@@ -1,0 +1,316 @@
+"""The cache a paged ``generate`` call returns and the cache it takes: stock's ``Cache`` object,
+filled from the engine's KV blocks.
+
+Stock ``generate`` returns its cache (the output's ``cache``, ``past_key_values`` in older
+transformers) with ``return_dict_in_generate`` and ``use_cache``, and fills a cache passed in, in
+place (the chat pattern: one ``DynamicCache`` given to every turn). Here:
+
+* The object is stock's by construction: ``model._prepare_cache_for_generation`` builds the
+  empty cache stock would build (a ``DynamicCache`` with the config's sliding layers, a
+  ``StaticCache`` for ``cache_implementation="static"``), or it is the caller's own cache, reset.
+  It is filled through its own ``update`` per layer, so each layer class keeps what it keeps (a
+  sliding layer its last ``window - 1`` tokens, a static layer its preallocated length).
+* The content is stock's: every row's tokens but the last (``sequences[:, :-1]``; beam search:
+  the running beams), in the call's padded layout. Once the call has run, each row's tokens go
+  to the engine again as an external-sampling request: the prefix cache finds the blocks the
+  call wrote (only the last partial block is computed again), the engine pauses each request
+  holding its blocks, ``engine.request_kv`` gathers them (one index per layer), and the requests
+  end. Rows are placed at their attended positions; padding slots hold zeros (masked, never
+  read: stock's hold what its forward computed for pad tokens).
+* A cache passed in is stock's contract: it holds this model's KV of ``input_ids``' first
+  tokens, and ``input_ids`` is the whole sequence. The engine runs the whole sequence (the
+  prefix cache holds the earlier turn's blocks), so tokens and scores are a fresh call's, which
+  are stock's. Before any request of the call is queued the passed content is compared with the
+  engine's KV of the same tokens; a cache of other tokens or of another model runs stock.
+* Compilation: the engine runs its own decode (CUDA graphs on GPU). Stock's compiled forward is
+  set up as stock sets it up (``get_compiled_call`` when ``_valid_auto_compile_criteria``
+  holds), so a caller or a later stock call that looks for it finds it.
+
+Falls back by name (``cache_refusal``): recurrent layers (stock's cache holds their conv and
+recurrent states), tensor parallelism (the KV heads live in several processes), an FP8 KV cache,
+KV layers that are not stock's cache layers one to one, quantized and offloaded caches, and a
+passed cache that is a legacy tuple, of another class, batch or length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from hf_paged.config import SamplingParams
+from hf_paged.engine.core.request import EngineRequest
+from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.prepare import CACHE_KWARGS, PreparedCall
+
+_SERVED_IMPLEMENTATIONS = (None, "dynamic", "static", "sliding_window", "hybrid", "hybrid_chunked")
+
+
+def take_passed_cache(generate_kwargs: dict):
+    """Remove the cache argument (any of its names) from ``generate_kwargs``; returns it or
+    None."""
+    found = [generate_kwargs.pop(k) for k in CACHE_KWARGS if k in generate_kwargs]
+    found = [c for c in found if c is not None]
+    return found[0] if found else None
+
+
+def output_field() -> str:
+    """The name of the cache field of stock's output dataclasses in this transformers."""
+    from transformers.generation import GenerateDecoderOnlyOutput
+
+    fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+@dataclasses.dataclass
+class CacheContract:
+    """What one call owes about caches, decided before its requests are queued."""
+
+    cache: object | None  # stock's cache object to fill (the caller's, when passed), or None
+    passed: bool  # the caller's cache: filled in place even without return_dict_in_generate
+    fill: bool  # the call must fill ``cache`` (it is returned or was passed)
+
+
+def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContract:
+    """The call's cache duties: stock's empty cache built as stock builds it, whether it must be
+    filled, and stock's compiled forward set up as stock does.
+
+    Args:
+        engine_of: returns the engine (only asked when the cache must be filled).
+
+    Raises:
+        PagedFallback: ``cache_refusal``'s reasons.
+    """
+    gen = call.generation_config
+    use_cache = gen.use_cache is not False
+    wants = bool(gen.return_dict_in_generate) and use_cache
+    default_ok = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
+    refusal = _call_refusal(model, call, passed, wants and default_ok)
+    if refusal is not None:
+        raise PagedFallback(*refusal)
+    if passed is not None:
+        cache = passed
+    elif use_cache and default_ok:
+        cache = _stock_cache(model, call)
+    else:
+        cache = None
+    if cache is not None:
+        _set_up_compiled_forward(model, gen, cache)
+    fill = cache is not None and (passed is not None or wants)
+    if fill:
+        refusal = _engine_refusal(model, engine_of())
+        if refusal is not None:
+            raise PagedFallback(*refusal)
+    return CacheContract(cache, passed is not None, fill)
+
+
+def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, str] | None:
+    """(reason, message) when the call's cache duties need stock, judged without the engine."""
+    gen = call.generation_config
+    if passed is None and not wants:
+        return None
+    from hf_paged.models.recurrent.registry import recurrent_modules
+
+    found = recurrent_modules(model)
+    if found:
+        return "recurrent_cache", (
+            f"the cache of a model with recurrent layers ({type(found[0][1]).__name__}) holds "
+            "their conv and recurrent states"
+        )
+    if passed is not None:
+        if isinstance(passed, (tuple, list)):
+            return "past_key_values", "a legacy tuple cache was passed in (stock decides)"
+        name = type(passed).__name__
+        if (
+            type(passed) is not DynamicCache
+            or passed.offloading
+            or not all(
+                type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in passed.layers
+            )
+        ):
+            return "past_key_values", f"a {name} with its own layers was passed in"
+        if gen.cache_implementation is not None:
+            return "past_key_values", "a cache and cache_implementation were both passed"
+        if gen.use_cache is False:
+            return "past_key_values", "a cache was passed with use_cache=False"
+        length, rows = passed.get_seq_length(), call.input_ids.shape[0]
+        if length and passed.layers[0].keys.shape[0] != rows:
+            return "past_key_values", f"the cache passed in holds another batch than {rows} rows"
+        if length >= call.input_ids.shape[1]:
+            return "past_key_values", "the cache passed in covers all of input_ids"
+    if gen.cache_implementation not in _SERVED_IMPLEMENTATIONS and wants:
+        return "cache_implementation", (
+            f"cache_implementation={gen.cache_implementation!r} stores its cache in a form "
+            "(quantized or offloaded) the engine's KV blocks are not copied into"
+        )
+    return None
+
+
+def _engine_refusal(model, engine) -> tuple[str, str] | None:
+    """(reason, message) when the engine's KV cannot become stock's cache layers."""
+    config = engine.runtime.config
+    if not hasattr(engine, "request_kv"):
+        return "returned_cache", f"{type(engine).__name__} cannot read its KV blocks back"
+    if config.tensor_parallel_size != 1:
+        return "returned_cache_tp", "the KV heads of a tensor-parallel engine live in its workers"
+    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+        return "returned_cache_fp8", f"the engine stores KV as {config.kv_cache_dtype}"
+    specs = _kv_specs(engine)
+    text = model.config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", None)
+    if specs is not None and len(specs) != layers:
+        return "returned_cache_layers", (
+            f"the engine has {len(specs)} KV layers for stock's {layers} cache layers"
+        )
+    return None
+
+
+def _kv_specs(engine):
+    runner = getattr(getattr(engine, "executor", None), "runner", None)
+    return getattr(runner, "kv_specs", None)
+
+
+def _stock_cache(model, call: PreparedCall):
+    """The empty cache stock's ``generate`` builds for this call (its side effects included:
+    ``_previous_max_cache_length`` for static caches)."""
+    gen = call.generation_config
+    rows = call.input_ids.shape[0]
+    per_input = max(gen.num_beams, gen.num_return_sequences)
+    model_kwargs: dict = {}
+    try:
+        model._prepare_cache_for_generation(
+            gen, model_kwargs, None, rows // per_input, gen.max_length - 1
+        )
+    except Exception as e:  # stock raises the same when it builds it: let it
+        raise PagedFallback("cache_implementation", f"stock's cache cannot be built: {e}") from e
+    return model_kwargs.get("cache")
+
+
+def _set_up_compiled_forward(model, gen, cache) -> None:
+    """``model.get_compiled_call`` where stock's decoding would call it (it only wraps
+    ``__call__`` in ``torch.compile``; nothing compiles until it is called)."""
+    check = getattr(model, "_valid_auto_compile_criteria", None)
+    if check is not None and str(getattr(model, "device", "meta")) != "meta":
+        if check({"cache": cache}, gen):
+            model.get_compiled_call(gen.compile_config)
+
+
+# ---- the content --------------------------------------------------------------------------
+
+
+def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
+    """A passed cache holds the engine's KV of ``input_ids``' first tokens (what this model
+    computes for them), within the dtype's tolerance, at every attended position it keeps.
+
+    Raises:
+        PagedFallback: it holds something else (other tokens, another model's KV).
+    """
+    cache = contract.cache
+    length = cache.get_seq_length() if contract.passed else 0
+    if not length:
+        return
+    mask = call.attention_mask[:, :length].bool()  # [N, P]
+    ours = padded_kv(engine, call.input_ids[:, :length], mask)
+    tol = 1e-3 if ours[0][0].dtype == torch.float32 else 3e-2
+    for layer, (k, v) in zip(cache.layers, ours, strict=False):
+        n = layer.keys.shape[-2]  # a sliding layer keeps the last ``n`` positions
+        keep = mask[:, length - n :]
+        for held, mine in (
+            (layer.keys, k[:, :, length - n :]),
+            (layer.values, v[:, :, length - n :]),
+        ):
+            a, b = held.transpose(1, 2)[keep], mine.transpose(1, 2)[keep].to(held)
+            scale = float(a.abs().max()) if a.numel() else 1.0
+            if not torch.allclose(a, b, rtol=tol, atol=tol * max(scale, 1.0)):
+                raise PagedFallback(
+                    "past_key_values",
+                    f"the cache passed in is not this model's KV of input_ids' first {length} "
+                    "tokens",
+                )
+
+
+def fill(contract: CacheContract, engine, sequences: torch.Tensor, prompt_mask: torch.Tensor):
+    """Stock's cache after the call: ``contract.cache`` reset and filled with the engine's KV of
+    ``sequences[:, :-1]`` (``[N, S + 1]``; the prompt part attended where ``prompt_mask``
+    ``[N, L]`` is 1, every later token attended, as stock's mask grows).
+
+    Returns:
+        The filled cache (None when the contract has none to fill).
+    """
+    if not contract.fill:
+        return contract.cache
+    n, total = sequences.shape
+    grown = torch.ones(n, total - prompt_mask.shape[1], dtype=torch.bool, device=prompt_mask.device)
+    mask = torch.cat([prompt_mask.bool(), grown], dim=1)[:, : total - 1]  # [N, S]
+    kv = padded_kv(engine, sequences[:, : total - 1], mask)
+    cache = contract.cache
+    cache.reset()
+    for j, (k, v) in enumerate(kv):
+        cache.update(k, v, j)
+    return cache
+
+
+def padded_kv(
+    engine, ids: torch.Tensor, mask: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every KV layer's ``(k [N, H, S, D], v [N, H, S, Dv])`` for ``ids`` ``[N, S]``: the
+    engine's KV of each row's attended tokens at their positions, zeros at masked ones."""
+    mask = mask.bool().cpu()
+    rows = [r[k].tolist() for r, k in zip(ids.cpu(), mask, strict=True)]
+    flat = _rows_kv(engine, rows)  # per layer ([T, H, D], [T, H, Dv]), rows one after another
+    row_idx, pos_idx = mask.nonzero(as_tuple=True)  # row-major: the order of ``flat``
+    n, s = mask.shape
+    out = []
+    for k, v in flat:
+        dev = k.device
+        r, p = row_idx.to(dev), pos_idx.to(dev)
+        kk = k.new_zeros(n, k.shape[1], s, k.shape[2])
+        vv = v.new_zeros(n, v.shape[1], s, v.shape[2])
+        kk[r, :, p] = k  # [T, H, D] into [N, H, S, D]
+        vv[r, :, p] = v
+        out.append((kk, vv))
+    return out
+
+
+def _rows_kv(engine, rows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``engine.request_kv`` of ``rows`` run as external-sampling requests that pause after
+    their prefill, holding their blocks, in as many groups as the KV cache holds at once."""
+    size = engine.config.kv_block_size
+    room = max(1, engine.runtime.num_kv_blocks // 2)
+    groups, current, used = [], [], 0
+    for i, r in enumerate(rows):
+        blocks = -(-len(r) // size)
+        if current and used + blocks > room:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += blocks
+    groups.append(current)
+    parts = [_group_kv(engine, [rows[i] for i in g if rows[i]]) for g in groups]
+    parts = [p for p in parts if p]
+    if len(parts) == 1:
+        return parts[0]
+    return [(torch.cat([p[j][0] for p in parts]), torch.cat([p[j][1] for p in parts]))
+            for j in range(len(parts[0]))]  # fmt: skip
+
+
+def _group_kv(engine, rows: list[list[int]]):
+    if not rows:
+        return None
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    with engine.request_group() as group:
+        rids = [group.add(EngineRequest(r, params, external_sampling=True)) for r in rows]
+        group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r in rows) + 16)
+        kv = engine.request_kv(rids)
+        for rid in rids:
+            group.close(rid)
+        group.drain()
+    return kv
+
+
+__all__ = [
+    "CACHE_KWARGS", "CacheContract", "cache_contract", "check_passed", "fill", "output_field",
+    "padded_kv", "take_passed_cache",
+]  # fmt: skip
