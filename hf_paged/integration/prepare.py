@@ -107,6 +107,7 @@ def prepare_call(
                                      ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
     model._validate_generation_mode(mode, gen, mode_kwargs)
     inputs_tensor, mask, mm_inputs = _prepare_prompt(model, gen, inputs, model_kwargs)
+    input_mask = mask  # [B0, L]: the rows as given, before they are repeated
 
     input_ids, expanded = model._expand_inputs_for_generation(
         input_ids=inputs_tensor,
@@ -166,7 +167,7 @@ def prepare_call(
         beams=mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE),
         mm_inputs=mm_inputs,
         mm_input_ids=inputs_tensor if mm_inputs else None,
-        mm_attention_mask=mask if mm_inputs else None,
+        mm_attention_mask=input_mask if mm_inputs else None,
     )
 
 

@@ -96,7 +96,11 @@ def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         images, feats = [], []
     else:
         images, feats = encode_images(model, mm_inputs, cache)
-    pieces = assign(rows, image_token_id(model), [f.num_rows for f in feats])
+    try:
+        pieces = assign(rows, image_token_id(model), [f.num_rows for f in feats])
+    except ValueError:
+        _raise_stock_count_error(model, input_ids, feats)
+        raise
     out: list[PromptEmbeds | None] = []
     for b, row_pieces in enumerate(pieces):
         pos, delta = positions[b] if positions is not None else (None, 0)
@@ -115,6 +119,18 @@ def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
                            dim=1)  # fmt: skip
         out.append(PromptEmbeds(ranges, emb, deepstack=ds, positions=pos, position_delta=delta))
     return out
+
+
+def _raise_stock_count_error(model, input_ids, feats) -> None:
+    """Raise the error stock's own placeholder check raises for these features (its counts are
+    worded per family), where the model has that check; return when it has none."""
+    base = getattr(model, "model", model)
+    check = getattr(base, "get_placeholder_mask", None)
+    if check is None or not feats:
+        return
+    embeds = model.get_input_embeddings()(input_ids)  # [B, L, H]
+    features = torch.cat([f.rows for f in feats]).to(embeds.dtype)
+    check(input_ids, inputs_embeds=embeds, image_features=features)
 
 
 def _hidden_size(model) -> int:
