@@ -195,3 +195,28 @@ def stock_greedy(model, rows: list[list], new_tokens: int) -> list[list[int]]:
                                  do_sample=False, pad_token_id=PAD)  # fmt: skip
         outs.append(seq[0, kw["input_ids"].shape[1] :].tolist())
     return outs
+
+
+# an engine small enough for the tests, and one whose prefill chunks (3 tokens) are smaller
+# than any tiny image (4 tokens or more)
+ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=128)
+CRAMPED = dict(ENGINE, max_num_batched_tokens=3, max_num_seqs=2)
+
+
+def paged_greedy(model, rows: list[list], new_tokens: int, config: dict = ENGINE,
+                 **kwargs) -> list[list[int]]:  # fmt: skip
+    """``generate(backend="paged")`` greedy on ``rows`` (one left-padded batch): each row's new
+    tokens. Fails on a fallback to stock."""
+    import warnings
+
+    from hf_paged.testing.parity import fallback_warnings
+
+    kw = batch(model, rows)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        out = model.generate(**kw, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=PAD, backend="paged",
+                             paged_config=config, **kwargs)  # fmt: skip
+    msgs = fallback_warnings(records)
+    assert not msgs, msgs
+    return out[:, kw["input_ids"].shape[1] :].tolist()

@@ -16,10 +16,22 @@ from hf_paged.integration import dispatch
 from hf_paged.integration.multimodal import prompt_embeds
 from hf_paged.testing import build_hf_model
 from hf_paged.testing.parity import fallback_warnings
-from hf_paged.testing.vlm import IMAGE_TOKEN, batch, build_tiny_vlm, image, stock_greedy
-from tests.integration.multimodal.test_vlm_generate import ENGINE, NEW, paged
+from hf_paged.testing.vlm import (
+    ENGINE,
+    IMAGE_TOKEN,
+    batch,
+    build_tiny_vlm,
+    image,
+    paged_greedy,
+    stock_greedy,
+)
 
+NEW = 6
 ARGS = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def paged(model, rows):
+    return paged_greedy(model, rows, NEW)
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2_vl", "idefics3"])

@@ -10,8 +10,13 @@ import torch
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
 from hf_paged.integration.multimodal.prompt_inputs import tower_of
-from hf_paged.testing.vlm import batch, build_tiny_vlm, image, stock_greedy
-from tests.integration.multimodal.test_vlm_generate import ENGINE, NEW, paged
+from hf_paged.testing.vlm import ENGINE, batch, build_tiny_vlm, image, paged_greedy, stock_greedy
+
+NEW = 6
+
+
+def paged(model, rows):
+    return paged_greedy(model, rows, NEW)
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen3_vl"])

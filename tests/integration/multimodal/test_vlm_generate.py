@@ -18,24 +18,23 @@ import torch
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
 from hf_paged.testing.parity import fallback_warnings
-from hf_paged.testing.vlm import FAMILIES, batch, build_tiny_vlm, image, stock_greedy
+from hf_paged.testing.vlm import (
+    CRAMPED,
+    ENGINE,
+    FAMILIES,
+    batch,
+    build_tiny_vlm,
+    image,
+    paged_greedy,
+    stock_greedy,
+)
 
 NEW = 6
 SERVED = sorted(f for f in FAMILIES if f != "gemma3")
-ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=128)
-CRAMPED = dict(ENGINE, max_num_batched_tokens=3, max_num_seqs=2)  # < the smallest image (4)
 
 
-def paged(model, rows, config=ENGINE, **kwargs) -> list[list[int]]:
-    """``generate(backend="paged")`` on ``rows`` (left padded); new tokens per row. Fails on a
-    fallback to stock."""
-    kw = batch(model, rows)
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        out = model.generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, backend="paged", paged_config=config, **kwargs)  # fmt: skip
-    assert not fallback_warnings(records), fallback_warnings(records)
-    return out[:, kw["input_ids"].shape[1] :].tolist()
+def paged(model, rows, config=ENGINE):
+    return paged_greedy(model, rows, NEW, config)
 
 
 @pytest.fixture(scope="module", params=SERVED)
