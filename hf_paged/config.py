@@ -137,6 +137,8 @@ class EngineConfig:
         kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3": K and V stored as
             float8_e4m3fn (half the bytes of bf16, so twice the tokens), with a per-layer scale
             of 1.0 (values clamped to +-448); attention reads them back in the model dtype.
+        encoder_cache_rows: vision-language models: most embedding rows of image features kept
+            for reuse (keyed by the image's content hash; least recently used evicted first).
     """
 
     max_num_seqs: int = 256
@@ -157,6 +159,7 @@ class EngineConfig:
     model_impl: str = "auto"
     tp_heartbeat_timeout_s: float | None = 45.0
     kv_cache_dtype: str = "auto"
+    encoder_cache_rows: int = 16384
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -169,6 +172,7 @@ class EngineConfig:
             _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
                          lo_open=True)  # fmt: skip
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("encoder_cache_rows", self.encoder_cache_rows, 0)
         _check_seed("seed", self.seed, 2)  # the sampler's generator and the proposers' (+1)
         if not isinstance(self.enforce_eager, bool):
             raise _bad("enforce_eager", self.enforce_eager, "a bool")

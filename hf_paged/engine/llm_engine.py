@@ -33,6 +33,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.engine.core.block_manager import BlockManager
 from hf_paged.engine.core.contracts import TakenTokens
+from hf_paged.engine.core.encoder_cache import EncoderCache
 from hf_paged.engine.core.external_sequences import ExternalSequences
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.prompt_embeds import check_prompt_embeds
@@ -125,6 +126,7 @@ class LLMEngine:
         rt.num_kv_blocks = self.executor.num_kv_blocks
         rt.num_state_slots, rt.state_slot_bytes = runner.num_state_slots, runner.state_slot_bytes
         rt.enable_prefix_caching = self.config.enable_prefix_caching and not rt.num_state_slots
+        rt.encoder_cache = EncoderCache(self.config.encoder_cache_rows)  # image features (VLMs)
         if rt.num_state_slots and self.config.enable_prefix_caching:
             logger.info(
                 "prefix caching is off: %s has recurrent layers, whose per-sequence state a "

@@ -37,6 +37,9 @@ class RuntimeInfo:
     # prefix caching as the engine runs it: the config's, but off for a model with recurrent
     # layers (a cached KV prefix has no state snapshot to start from); the config stays as given
     enable_prefix_caching: bool = True
+    # the engine's image features by content hash (``core/encoder_cache.py``): the front ends
+    # that encode a vision-language model's images for this engine share it; set by LLMEngine
+    encoder_cache: object | None = None
 
     @property
     def mrope(self) -> bool:
@@ -210,8 +213,13 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         device=device,
         dtype=dtype,
         max_model_len=max_model_len,
-        vocab_size=hf_config.vocab_size,
+        vocab_size=_text_config(hf_config).vocab_size,
         eos_token_ids=eos,
         model_path=path,
         config=config,
     )
+
+
+def _text_config(hf_config):
+    """The decoder's config: a vision-language model's ``text_config``, else the config."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

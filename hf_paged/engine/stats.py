@@ -31,6 +31,7 @@ def engine_stats(engine) -> dict:
         "state_slot_bytes": rt.state_slot_bytes,
         "state_pool_bytes": rt.state_slot_bytes
         * (rt.num_state_slots + 1 if rt.num_state_slots else 0),
+        **rt.encoder_cache.stats(),  # image features reused (vision-language models)
         **_profile_stats(engine),
     }
 

@@ -236,9 +236,10 @@ def _run(model, engine, call: PreparedCall, keep_rows: bool = False):
     params = SamplingParams(temperature=0.0, max_tokens=gen.max_length - prompt_len)
     with engine.request_group() as batch:
         rids = [
-            batch.add(EngineRequest(p, params, external_sampling=True, beam_search=True))
-            for p in call.prompts[::k]
-        ]
+            batch.add(EngineRequest(p, params, external_sampling=True, beam_search=True,
+                                    prompt_embeds=call.request_embeds(i * k)))
+            for i, p in enumerate(call.prompts[::k])
+        ]  # fmt: skip
         live, num_slots = list(range(num_rows)), 1  # rows in the engine; beams per request
         prompt_tokens = sum(len(p) for p in call.prompts)
         for _ in range(gen.max_length - prompt_len):

@@ -34,8 +34,9 @@ def run_external(engine, call):
     params = SamplingParams(temperature=0.0, max_tokens=call.max_new_tokens)
     prompt_tokens = sum(len(p) for p in call.prompts)
     with engine.request_group() as batch:
-        for prompt in call.prompts:
-            batch.add(EngineRequest(prompt, params, external_sampling=True))
+        for i, prompt in enumerate(call.prompts):
+            batch.add(EngineRequest(prompt, params, external_sampling=True,
+                                    prompt_embeds=call.request_embeds(i)))  # fmt: skip
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
         for step in range(call.max_new_tokens):

@@ -63,6 +63,17 @@ class PreparedCall:
     assistant_model: object | None = None
     beams: bool = False  # beam search or beam sampling (num_beams > 1; ``beam_search.py``)
     attention_mask: torch.Tensor | None = None  # [B, L] 0/1, rows repeated like input_ids
+    # a vision-language model's image inputs (``integration/multimodal``), as passed, for the
+    # rows of ``mm_input_ids`` [B0, L] / ``mm_attention_mask`` (before the rows were repeated)
+    mm_inputs: dict | None = None
+    mm_input_ids: torch.Tensor | None = None
+    mm_attention_mask: torch.Tensor | None = None
+    # per row of ``prompts``: its ``PromptEmbeds`` (None: from its ids), set by the route
+    prompt_embeds: list | None = None
+
+    def request_embeds(self, i: int):
+        """Row ``i``'s prompt embeddings (None for a text-only call or row)."""
+        return None if self.prompt_embeds is None else self.prompt_embeds[i]
 
 
 def prepare_call(
@@ -97,7 +108,8 @@ def prepare_call(
     mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
                                      ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
     model._validate_generation_mode(mode, gen, mode_kwargs)
-    inputs_tensor, mask = _prepare_prompt(model, gen, inputs, model_kwargs)
+    inputs_tensor, mask, mm_inputs = _prepare_prompt(model, gen, inputs, model_kwargs)
+    input_mask = mask  # [B0, L]: the rows as given, before they are repeated
 
     input_ids, expanded = model._expand_inputs_for_generation(
         input_ids=inputs_tensor,
@@ -156,12 +168,15 @@ def prepare_call(
         assistant_model=assistant_model,
         beams=mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE),
         attention_mask=mask,
+        mm_inputs=mm_inputs,
+        mm_input_ids=inputs_tensor if mm_inputs else None,
+        mm_attention_mask=input_mask if mm_inputs else None,
     )
 
 
-def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, L], attention_mask [B, L])`` as stock builds them (a missing mask is
-    inferred from the pad id); sets the config's special-token tensors."""
+def _prepare_prompt(model, gen, inputs, model_kwargs):
+    """``(input_ids [B, L], attention_mask [B, L], image inputs or None)`` as stock builds them
+    (a missing mask is inferred from the pad id); sets the config's special-token tensors."""
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, gen.bos_token_id, model_kwargs
     )
@@ -170,6 +185,8 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
     if any(k in CACHE_KWARGS for k in extra):  # ``generate_paged`` takes it out and serves it
         raise PagedFallback("past_key_values", "a cache was passed to a many-prompt front end")
+    mm_inputs = _multimodal_inputs(model, model_kwargs, extra)
+    extra = [k for k in extra if k not in (mm_inputs or ())]
     if extra:
         raise PagedFallback("model_kwargs", f"model inputs {extra} are passed to the forward")
     mask = model_kwargs.get("attention_mask")
@@ -192,7 +209,22 @@ def _prepare_prompt(model, gen, inputs, model_kwargs) -> tuple[torch.Tensor, tor
         # stock gives a right-padded row a pad query and restarts its positions after the pads:
         # no paged engine can reproduce that, so those calls run stock
         raise PagedFallback("right_padding", "the input is right padded")
-    return inputs_tensor, mask
+    return inputs_tensor, mask, mm_inputs
+
+
+def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | None:
+    """A vision-language model's image inputs among the call's model kwargs (None: not such a
+    model, or no such input). Video inputs run stock."""
+    from hf_paged.integration import multimodal
+
+    if not extra or not multimodal.is_multimodal(model):
+        return None
+    keys = multimodal.multimodal_keys(model)
+    found = {k: model_kwargs[k] for k in extra if k in keys}
+    video = sorted(k for k in found if k in multimodal.VIDEO_KEYS)
+    if video:
+        raise PagedFallback("video_inputs", f"video inputs {video} are not served paged yet")
+    return found or None
 
 
 def _check_generation_config(gen, mode) -> None:

@@ -119,6 +119,8 @@ def route(
         return _native(ids, ids.tolist(), pad, plan, runtime_of())
     call = prepare_call(model, **generate_kwargs)
     _check_recurrent(model, call)
+    if call.mm_inputs is not None:  # images: each row's features, from the engine's cache
+        call.prompt_embeds = _image_embeds(model, call, runtime_of())
     if call.beams:
         return Beams(call)
     spec = spec_plan(call) if call.assisted else None  # its refusals need no engine
@@ -139,8 +141,9 @@ def route(
     if spec is not None:
         plan = dataclasses.replace(plan, spec=spec)
     native = _native(
-        call.input_ids, call.prompts, call.pad_token_id, plan, runtime, call.assistant_model, drafts
-    )
+        call.input_ids, call.prompts, call.pad_token_id, plan, runtime, call.assistant_model, drafts,
+        call.prompt_embeds,
+    )  # fmt: skip
     native.call = call
     if key is not None:
         rows_per_input = len(call.prompts) // generate_kwargs["input_ids"].shape[0]
@@ -149,7 +152,7 @@ def route(
 
 
 def _native(input_ids, prompts, pad_token_id, plan: NativePlan, runtime, assistant=None,
-            drafts: DraftHold | None = None) -> Native:  # fmt: skip
+            drafts: DraftHold | None = None, embeds: list | None = None) -> Native:  # fmt: skip
     """The rows' requests, with the plan's proposer if it has one. Seeds for sampled rows are
     drawn now from torch's global RNG (so ``torch.manual_seed`` reproduces a call, as it does
     stock's)."""
@@ -157,9 +160,10 @@ def _native(input_ids, prompts, pad_token_id, plan: NativePlan, runtime, assista
     n = len(prompts)
     seeds = torch.randint(0, 2**62, (n,)).tolist() if plan.temperature > 0 else [None] * n
     matcher = plan.stop_strings
+    embeds = embeds if embeds is not None else [None] * n
     requests = [
-        EngineRequest(p, plan.sampling_params(s), stop_strings=matcher)
-        for p, s in zip(prompts, seeds, strict=True)
+        EngineRequest(p, plan.sampling_params(s), stop_strings=matcher, prompt_embeds=e)
+        for p, s, e in zip(prompts, seeds, embeds, strict=True)
     ]
     native = Native(input_ids, prompts, pad_token_id, plan, requests)
     if plan.spec is not None:
@@ -182,6 +186,17 @@ def _attach_proposer(native: Native, assistant, drafts: DraftHold | None) -> Non
 
 
 __all__ = ["Beams", "DraftHold", "External", "Native", "route"]
+
+
+def _image_embeds(model, call: PreparedCall, runtime) -> list:
+    """Each row's ``PromptEmbeds`` (``integration/multimodal``), repeated as the call's rows
+    are (``num_return_sequences``, beams): one encoder pass per distinct image."""
+    from hf_paged.integration.multimodal import prompt_embeds
+
+    per_input = prompt_embeds(model, call.mm_input_ids, call.mm_attention_mask, call.mm_inputs,
+                              runtime.encoder_cache)  # fmt: skip
+    repeat = len(call.prompts) // len(per_input)
+    return [e for e in per_input for _ in range(repeat)]
 
 
 def _check_recurrent(model, call) -> None:

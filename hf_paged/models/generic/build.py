@@ -69,13 +69,18 @@ def meta_tensor_attributes(model: nn.Module) -> list[str]:
 
 def backbone_of(model: nn.Module) -> nn.Module:
     """The decoder stack the causal LM's forward calls: ``get_decoder()`` (OPT's
-    ``model.decoder``, Llama's ``model``...), else the base model."""
+    ``model.decoder``, Llama's ``model``, a vision-language model's ``language_model``...),
+    else the base model."""
     from transformers import PreTrainedModel
 
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
     # a PreTrainedModel only: BERT-style heads name their output projection ``decoder``
     if isinstance(decoder, PreTrainedModel) and decoder is not model:
+        # a vision-language model's decoder may be a causal LM itself (Llama 4): its stack
+        inner = getattr(decoder, "model", None)
+        if hasattr(decoder, "lm_head") and isinstance(inner, PreTrainedModel):
+            return inner
         return decoder
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:

@@ -42,6 +42,9 @@ def resolve_hf_class(hf_config):
     archs = getattr(hf_config, "architectures", None) or []
     if archs and archs[0] in causal and hasattr(transformers, archs[0]):
         return getattr(transformers, archs[0])
+    vlm = image_text_class(hf_config)
+    if vlm is not None:
+        return vlm
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
     if name is None or not hasattr(transformers, name):
         what = archs[0] if archs else getattr(hf_config, "model_type", None)
@@ -49,6 +52,32 @@ def resolve_hf_class(hf_config):
             f"{what!r} is not a transformers causal LM (not in MODEL_FOR_CAUSAL_LM_MAPPING)"
         )
     return getattr(transformers, name)
+
+
+def image_text_class(hf_config):
+    """The transformers ``*ForConditionalGeneration`` class of a vision-language config
+    (``AutoModelForImageTextToText``'s), or None. The generic path builds the whole model and
+    serves its decoder; the vision tower runs stock in the caller's process
+    (``integration/multimodal``)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as names,
+    )
+
+    archs = getattr(hf_config, "architectures", None) or []
+    name = archs[0] if archs and archs[0] in set(names.values()) else None
+    if name is None:
+        name = names.get(getattr(hf_config, "model_type", None))
+    if name is None or not hasattr(transformers, name):
+        return None
+    cls = getattr(transformers, name)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return cls if text is not hf_config else None  # a VLM has a text config of its own
+
+
+# vision-language families whose decoder attention is not causal over the image tokens: stock
+# lets an image's tokens see each other both ways (per ``token_type_ids``)
+_BIDIRECTIONAL_IMAGES = {"gemma3": "Gemma 3", "paligemma": "PaliGemma"}
 
 
 def static_reason(hf_config) -> Refusal | None:
@@ -83,8 +112,15 @@ def _static_why(hf_config) -> str | None:
     if quantized is not None:
         return f"{name} has a quantization_config ({quantized[0]}) the engine does not serve"
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if text is not hf_config and text.model_type != hf_config.model_type:
+    vlm = image_text_class(hf_config) is cls
+    if text is not hf_config and text.model_type != hf_config.model_type and not vlm:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
+    family = _BIDIRECTIONAL_IMAGES.get(getattr(hf_config, "model_type", None))
+    if vlm and family is not None:
+        return (
+            f"{name}: {family}'s image tokens attend bidirectionally within their image, which "
+            "the paged attention does not run yet"
+        )
     adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
         if key in _ADAPTER_CONFIG_KEYS and adapted:

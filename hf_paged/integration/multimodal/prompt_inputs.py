@@ -1,0 +1,137 @@
+"""One call's image inputs -> each row's ``PromptEmbeds`` (the steps are in the package
+docstring): images cut and hashed, features from the encoder cache or one stock encoder batch,
+placeholder ranges, M-RoPE positions."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from hf_paged.engine.core.encoder_cache import EncoderCache
+from hf_paged.engine.core.prompt_embeds import EmbedRange, PromptEmbeds
+from hf_paged.integration.multimodal.placeholders import assign
+from hf_paged.integration.multimodal.positions import has_mrope, mrope_positions
+from hf_paged.models.vision import ImageFeatures, StockVisionTower
+
+# keywords of a multimodal call that are not inputs of ``get_image_features`` but that the
+# engine reproduces (token types Qwen's rope index reads)
+_POSITION_KEYS = ("mm_token_type_ids",)
+# video inputs: refused by name (``video_keys``)
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_towers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its tower
+
+
+def is_multimodal(model) -> bool:
+    """``model`` is a vision-language model whose decoder the engine can take (a
+    ``*ForConditionalGeneration`` of ``AutoModelForImageTextToText`` with image features)."""
+    from hf_paged.models.generic.support import image_text_class
+
+    config = getattr(model, "config", None)
+    if config is None or image_text_class(config) is None:
+        return False
+    base = getattr(model, "model", model)
+    return callable(getattr(base, "get_image_features", None))
+
+
+def tower_of(model) -> StockVisionTower:
+    """The model's ``StockVisionTower`` (one per model object)."""
+    tower = _towers.get(model)
+    if tower is None:
+        tower = _towers[model] = StockVisionTower(model)
+    return tower
+
+
+def multimodal_keys(model) -> set[str]:
+    """The ``generate`` keywords a call on ``model`` may carry besides ``input_ids`` /
+    ``attention_mask`` (image inputs and options, token types, video inputs)."""
+    return set(tower_of(model).input_names) | set(_POSITION_KEYS) | set(VIDEO_KEYS)
+
+
+def image_token_id(model) -> int:
+    config = model.config
+    tid = getattr(config, "image_token_id", None)
+    if tid is None:
+        tid = getattr(config, "image_token_index", None)
+    return int(tid)
+
+
+@torch.no_grad()
+def encode_images(model, mm_inputs: dict, cache: EncoderCache | None):
+    """``(images, features)`` of the call's images in order: each image's ``ImageInput`` and
+    its ``ImageFeatures``, from ``cache`` or from one stock ``get_image_features`` batch over
+    the distinct images not in it (then kept in ``cache``)."""
+    tower = tower_of(model)
+    images = tower.split({k: v for k, v in mm_inputs.items() if k in tower.input_names})
+    found: dict[str, ImageFeatures] = {}
+    todo: dict = {}
+    for img in images:
+        if img.key in found or img.key in todo:
+            continue
+        hit = cache.get(img.key) if cache is not None else None
+        if hit is not None:
+            found[img.key] = hit
+        else:
+            todo[img.key] = img
+    for key, out in zip(todo, tower.encode(list(todo.values())), strict=True):
+        found[key] = out
+        if cache is not None:
+            cache.put(key, out)
+    return images, [found[img.key] for img in images]
+
+
+def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mm_inputs: dict,
+                  cache: EncoderCache | None = None) -> list[PromptEmbeds | None]:  # fmt: skip
+    """One ``PromptEmbeds`` per row of ``input_ids`` ``[B, L]`` (None for a row that needs
+    none), for the call's multimodal keywords ``mm_inputs``.
+
+    Raises:
+        ValueError: stock's error for placeholders that do not match the features, and what
+            the stock tower raises for image tensors of a wrong shape.
+    """
+    rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
+    positions = mrope_positions(model, input_ids, attention_mask, mm_inputs) if has_mrope(
+        model) else None  # fmt: skip
+    if mm_inputs.get("pixel_values") is None:  # no images: plain rows (stock merges nothing)
+        images, feats = [], []
+    else:
+        images, feats = encode_images(model, mm_inputs, cache)
+    try:
+        pieces = assign(rows, image_token_id(model), [f.num_rows for f in feats])
+    except ValueError:
+        _raise_stock_count_error(model, input_ids, feats)
+        raise
+    out: list[PromptEmbeds | None] = []
+    for b, row_pieces in enumerate(pieces):
+        pos, delta = positions[b] if positions is not None else (None, 0)
+        if not row_pieces and pos is None:
+            out.append(None)
+            continue
+        ranges = [EmbedRange(p.offset, p.length, (images[p.image].key, p.start))
+                  for p in row_pieces]  # fmt: skip
+        rows_b = [feats[p.image].rows[p.start : p.start + p.length] for p in row_pieces]
+        deep = [feats[p.image].deepstack for p in row_pieces]
+        hidden = _hidden_size(model)
+        emb = torch.cat(rows_b) if rows_b else torch.zeros(0, hidden)
+        ds = None
+        if row_pieces and all(d is not None for d in deep):
+            ds = torch.cat([d[:, p.start : p.start + p.length] for d, p in zip(deep, row_pieces)],
+                           dim=1)  # fmt: skip
+        out.append(PromptEmbeds(ranges, emb, deepstack=ds, positions=pos, position_delta=delta))
+    return out
+
+
+def _raise_stock_count_error(model, input_ids, feats) -> None:
+    """Raise the error stock's own placeholder check raises for these features (its counts are
+    worded per family), where the model has that check; return when it has none."""
+    base = getattr(model, "model", model)
+    check = getattr(base, "get_placeholder_mask", None)
+    if check is None or not feats:
+        return
+    embeds = model.get_input_embeddings()(input_ids)  # [B, L, H]
+    features = torch.cat([f.rows for f in feats]).to(embeds.dtype)
+    check(input_ids, inputs_embeds=embeds, image_features=features)
+
+
+def _hidden_size(model) -> int:
+    return model.config.get_text_config().hidden_size

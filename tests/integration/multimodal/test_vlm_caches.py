@@ -1,0 +1,86 @@
+"""The encoder cache and the prefix cache with images: the vision tower runs once per distinct
+image (across rows, beams, return sequences and calls), counted in the engine's stats; KV is
+shared only between equal images at equal places."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.integration import dispatch
+from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.integration.multimodal.prompt_inputs import tower_of
+from hf_paged.testing.vlm import ENGINE, batch, build_tiny_vlm, image, paged_greedy, stock_greedy
+
+NEW = 6
+
+
+def paged(model, rows):
+    return paged_greedy(model, rows, NEW)
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen3_vl"])
+def counted(request):
+    """A model whose stock ``get_image_features`` calls and images are counted."""
+    model = build_tiny_vlm(request.param)
+    tower = tower_of(model)
+    real, seen = tower.encode_fn, []
+
+    def encode(**kwargs):
+        out = real(**kwargs)
+        seen.append(len(out.pooler_output))  # images in this call
+        return out
+
+    tower.encode_fn = encode
+    yield model, seen
+    dispatch.release(model)
+
+
+def test_same_image_in_8_requests_runs_the_tower_once(counted):
+    model, seen = counted
+    img, other = image(model, 11), image(model, 12)
+    rows = [[[5 + i], img, [40 + i, 41]] for i in range(8)]
+    seen.clear()
+    assert paged(model, rows) == stock_greedy(model, rows, NEW)
+    assert seen == [1]  # one call, one image
+    stats = existing_owner(model).engine.stats
+    hits = stats["encoder_cache_hits"]
+    # a later call with the same image and a new one: only the new one is encoded
+    rows2 = [[[9], img, [10]], [[9], other, [10]]]
+    assert paged(model, rows2) == stock_greedy(model, rows2, NEW)
+    assert seen == [1, 1]
+    stats = existing_owner(model).engine.stats
+    assert stats["encoder_cache_hits"] == hits + 1
+    assert stats["encoder_cache_encoded_images"] == 2
+    assert stats["encoder_cache_budget_rows"] == 16384
+    assert stats["encoder_cache_rows"] == 2 * img.num_tokens
+
+
+def test_beams_and_return_sequences_share_the_image(counted):
+    model, seen = counted
+    rows = [[[5, 6], image(model, 21), [7]], [[8], image(model, 22), [9, 10]]]
+    kw = batch(model, rows)
+    args = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False,
+                pad_token_id=0)  # fmt: skip
+    ref = model.generate(**kw, **args)
+    seen.clear()
+    out = model.generate(**kw, **args, backend="paged", paged_config=ENGINE)
+    assert torch.equal(out, ref)
+    assert seen == [2]  # two images, once each, for 6 beams and 4 returned rows
+
+
+def test_prefix_cache_keys_images(counted):
+    """The same ids with another image share only the blocks before the image; the same image
+    at the same place shares its blocks too."""
+    model, _ = counted
+    a, b = image(model, 31), image(model, 32)
+    text = list(range(3, 11))  # two blocks of 4 before the image
+    engine_stats = lambda: existing_owner(model).engine.stats  # noqa: E731
+    paged(model, [[text, a, [12, 13]]])
+    before = engine_stats()["prefix_cache_hit_tokens"]
+    paged(model, [[text, b, [12, 13]]])
+    after_other = engine_stats()["prefix_cache_hit_tokens"]
+    assert after_other - before == 8
+    paged(model, [[text, a, [12, 13]]])
+    after_same = engine_stats()["prefix_cache_hit_tokens"]
+    assert after_same - after_other >= 8 + 4 * ((a.num_tokens + 2) // 4 - 1)

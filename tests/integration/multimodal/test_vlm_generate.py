@@ -1,0 +1,88 @@
+"""Vision-language models through ``generate(backend="paged")``: the vision tower runs stock, the
+decoder runs on the engine with the image features as prompt embeddings.
+
+For each served family (tiny fp32 models from each family's config, pixel inputs built by hand,
+placeholder runs expanded by hand), all token-identical to stock greedy on each request alone:
+one left-padded batch of requests with different images and text lengths; each request alone,
+one after another on one engine (the same ids with another image differ exactly as stock does);
+an engine whose prefill chunks are smaller than one image (chunks split images). Gemma 3 runs
+stock under a named fallback until its bidirectional image attention is served."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hf_paged.integration import dispatch
+from hf_paged.integration.engine_owner import existing_owner
+from hf_paged.testing.parity import fallback_warnings
+from hf_paged.testing.vlm import (
+    CRAMPED,
+    ENGINE,
+    FAMILIES,
+    batch,
+    build_tiny_vlm,
+    image,
+    paged_greedy,
+    stock_greedy,
+)
+
+NEW = 6
+SERVED = sorted(f for f in FAMILIES if f != "gemma3")
+
+
+def paged(model, rows, config=ENGINE):
+    return paged_greedy(model, rows, NEW, config)
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def vlm(request):
+    """(model, rows, stock's tokens of each row alone): three images of two sizes, text of
+    different lengths, a text-only row, and row 0's ids with row 1's image."""
+    model = build_tiny_vlm(request.param)
+    a, b, c = image(model, 1), image(model, 2), image(model, 3, wide=True)
+    rows = [
+        [[5, 6, 7], a, [8, 9]],
+        [[10], b, [11, 12, 13, 14, 15, 16]],
+        [[20, 21], c, [22]],
+        [[30, 31, 32, 33]],
+        [[5, 6, 7], b, [8, 9]],
+    ]
+    yield model, rows, stock_greedy(model, rows, NEW)
+    dispatch.release(model)
+
+
+def test_left_padded_batch(vlm):
+    model, rows, stock = vlm
+    assert paged(model, rows) == stock
+
+
+def test_each_alone_on_one_engine(vlm):
+    model, rows, stock = vlm
+    got = [paged(model, [r])[0] for r in rows]
+    engine = existing_owner(model).engine
+    assert got == stock
+    assert existing_owner(model).engine is engine  # one engine served them all
+    assert stock[0] != stock[4]  # same ids, another image: the image reaches the text
+
+
+def test_prefill_chunks_smaller_than_an_image(vlm):
+    model, rows, stock = vlm
+    assert min(p.num_tokens for r in rows for p in r if hasattr(p, "num_tokens")) > 3
+    assert paged(model, rows, CRAMPED) == stock
+
+
+def test_gemma3_runs_stock_by_name():
+    model = build_tiny_vlm("gemma3")
+    rows = [[[5, 6], image(model, 1), [7]], [[8], image(model, 2), [9, 10]]]
+    kw = batch(model, rows)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        out = model.generate(**kw, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             backend="paged", paged_config=ENGINE)  # fmt: skip
+    msgs = fallback_warnings(records)
+    assert len(msgs) == 1 and "bidirectionally" in msgs[0]
+    ref = model.generate(**kw, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
