@@ -75,23 +75,25 @@ def test_a_range_past_the_budget_goes_beside_decodes():
 
 
 def test_a_prefix_hit_inside_a_range_runs_to_its_end():
-    """The cached blocks end inside the range (the same image at the same place was computed
-    whole before): the first chunk takes the rest of the range, however small the budget."""
+    """The cached blocks end inside the range (the same ids, ranges and range contents were
+    computed whole before): the first chunk takes the rest of the range, however small the
+    budget. Other ids inside the range: no block overlapping it is shared."""
     sched = make(1)
-    first = seq_of(range(24), [(10, 18)])
+    first = seq_of(range(24), [(10, 23)])
     sched.add(first)
     prefill_chunks(sched, first)
     sched.finish(first, "stop")
-    again = seq_of(range(24), [(10, 18)])
+    again = seq_of(range(24), [(10, 23)])
     sched.add(again)
-    (s, start, n), = step(sched)  # fmt: skip
-    assert (s, start, n) == (again, 20, 1)  # 20 cached tokens: past the range
+    assert [(s, a, n) for s, a, n in step(sched)] == [(again, 20, 3)]  # 20 cached, mid-range
     sched.finish(again, "stop")
-    third = seq_of(list(range(16)) + [99] * 8, [(10, 18)])  # diverges at 16: 16 cached
-    sched.add(third)
-    while third.num_computed_tokens == 0:
-        chunks = step(sched)
-    assert [(a, n) for s, a, n in chunks if s is third] == [(16, 2)]  # through the range's end
+    other = seq_of([*range(15), 99, *range(16, 24)], [(10, 23)])  # differs inside the range
+    sched.add(other)
+    assert [(s, a, n) for s, a, n in step(sched)] == [(other, 8, 1)]  # blocks 0-1 only
+    unranged = seq_of(range(24))
+    sched.finish(other, "stop")
+    sched.add(unranged)
+    assert [(s, a, n) for s, a, n in step(sched)] == [(unranged, 8, 1)]
 
 
 def test_model_input_carries_the_ranges_that_hold_a_query():
