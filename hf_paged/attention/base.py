@@ -74,6 +74,9 @@ class AttentionLayerSpec:
     # ALiBi: scores[h, q, k] += alibi_slopes[h] * (k_pos - q_pos), after softcap, before masking
     # (one slope per query head on this rank; Bloom's slope * k_pos is the same softmax)
     alibi_slopes: tuple[float, ...] | None = None
+    # whether the step's bidirectional ranges apply to this layer (Gemma 4 keeps its full
+    # layers causal and opens only the sliding ones); False = causal whatever the metadata says
+    bidirectional: bool = True
 
     @property
     def v_head_dim(self) -> int:

@@ -127,7 +127,9 @@ class TorchRefBackend(AttentionBackend):
             if group > 1:  # GQA: each kv head serves `group` consecutive q heads
                 keys = keys.repeat_interleave(group, dim=1)
                 vals = vals.repeat_interleave(group, dim=1)
-            ranges = meta.bidirectional_ranges[i] if meta.bidirectional_ranges else None
+            ranges = None
+            if meta.bidirectional_ranges and spec.bidirectional:
+                ranges = meta.bidirectional_ranges[i]
             mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device, ranges)
             o = attend(
                 q[s:e].transpose(0, 1),  # [H, q_len, D]

@@ -117,13 +117,14 @@ class TritonBackend(AttentionBackend):
                 spec.sliding_window,
                 **mods,
             )
+        key_ends = meta.query_key_ends if spec.bidirectional else None
         # host ints only: does the paged cache hold every key the queries need?
         cache_covers = (
             k_cache.numel() > 0
             and meta.block_tables.shape[1] * k_cache.shape[1] >= meta.max_context_len
         )
         if (self.use_flash_prefill or not cache_covers) and self._flash_usable(q, spec, sinks):
-            if _is_pure_prefill(meta) and meta.query_key_ends is None:
+            if _is_pure_prefill(meta) and key_ends is None:
                 out = self._flash_prefill(q, k, v, meta, spec)
                 if out is not None:
                     return out
@@ -142,7 +143,7 @@ class TritonBackend(AttentionBackend):
             meta.max_seqlen_q,
             spec.scale,
             spec.sliding_window,
-            query_key_ends=meta.query_key_ends,
+            query_key_ends=key_ends,
             **mods,
         )
 
@@ -158,7 +159,7 @@ class TritonBackend(AttentionBackend):
     def _forward_no_cache(self, q, k, v, meta, spec, sinks) -> torch.Tensor:
         """No KV cache yet (a profile pass): whole prompts only, through aten flash attention
         when it takes the inputs, else the torch reference."""
-        causal = meta.query_key_ends is None
+        causal = meta.query_key_ends is None or not spec.bidirectional
         if self._flash_usable(q, spec, sinks) and _is_pure_prefill(meta) and causal:
             out = self._flash_prefill(q, k, v, meta, spec)
             if out is not None:

@@ -130,9 +130,11 @@ def case_random(seed, device="cpu", dtype="float32"):
                         device, dtype)  # fmt: skip
 
 
-def case_backend(device="cpu", dtype="float32"):
+def case_backend(device="cpu", dtype="float32", bidirectional=True):
     """TritonBackend vs TorchRefBackend on one step built by ``StepInputs`` (store + prefill)
-    for a Gemma-3-like sliding layer: the plumbing from chunks to kernel arguments."""
+    for a Gemma-3-like sliding layer: the plumbing from chunks to kernel arguments. With
+    ``bidirectional=False`` (Gemma 4's full layers) both stay causal, and the reference is
+    checked against a step without ranges."""
     import torch
 
     from hf_paged.attention.base import AttentionLayerSpec
@@ -153,9 +155,14 @@ def case_backend(device="cpu", dtype="float32"):
     t = sum(len(c.token_ids) for c in chunks)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(device, dt) for n in (hkv * group, hkv, hkv))
     caches = [torch.randn(8, bs, hkv, d, generator=gen).to(device, dt) for _ in range(2)]
-    spec = AttentionLayerSpec(hkv * group, hkv, d, 0.125, sliding_window=12)
+    spec = AttentionLayerSpec(hkv * group, hkv, d, 0.125, sliding_window=12,
+                              bidirectional=bidirectional)  # fmt: skip
     ref_caches = [c.clone() for c in caches]
     out = TritonBackend().forward(q, k, v, *caches, meta, spec)
+    if not bidirectional:  # the oracle: the same step built without ranges
+        for c in chunks:
+            c.bidirectional_ranges = []
+        _, _, meta, _ = StepInputs(torch.device(device), bs).build(ModelInput(chunks), None)
     ref = TorchRefBackend().forward(q.float(), k.float(), v.float(),
                                     *(c.float() for c in ref_caches), meta, spec)  # fmt: skip
     if device == "cpu":
@@ -163,7 +170,12 @@ def case_backend(device="cpu", dtype="float32"):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-CASES = {"backend_sliding_layer": (case_backend, ())}
+def case_backend_causal_layer(device="cpu", dtype="float32"):
+    return case_backend(device, dtype, bidirectional=False)
+
+
+CASES = {"backend_sliding_layer": (case_backend, ()),
+         "backend_causal_layer": (case_backend_causal_layer, ())}  # fmt: skip
 for _g in (1, 2, 3, 4, 8):
     CASES[f"block_edges_g{_g}"] = (case_prefill, (EDGE_SEQS, _g))
     CASES[f"chunk_starts_g{_g}"] = (case_prefill, (CHUNK_SEQS, _g))
