@@ -4,7 +4,9 @@ A forward pass covers a ragged batch: sequence i contributes ``q_len_i`` new tok
 prompt, a prefill chunk over cached tokens, or one decode token) that sit at positions
 ``[context_len_i - q_len_i, context_len_i)``. Their K/V are first written into the paged cache at
 ``slot_mapping``; then every new query attends causally to all ``context_len_i`` cached keys of
-its sequence (limited to the last ``sliding_window`` keys when the layer has one).
+its sequence (limited to the last ``sliding_window`` keys when the layer has one). A sequence
+may name bidirectional ranges (Gemma 3's images): a query inside one also sees the keys after it
+up to the range's end; the sliding window still bounds how far back it looks.
 
 KV cache layout per layer: ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` and
 ``v_cache`` ``[..., head_dim_v]``; token t of a sequence lives in block
@@ -48,6 +50,14 @@ class AttentionMetadata:
     state_indices: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
     recurrent_states: list[dict[str, torch.Tensor]] | None = None
+    # bidirectional ranges (``attention/bidirectional.py``): per sequence, the half-open
+    # position ranges [start, end) whose tokens attend to each other both ways (an image of
+    # Gemma 3); causal elsewhere. Every range that holds a query ends at or before that
+    # sequence's context_len. ``query_key_ends`` [num_tokens] int32 is the same on the device,
+    # per new query: one past the last key position it sees (its position + 1 outside a range,
+    # the range's end inside one). Both None when every query is causal.
+    bidirectional_ranges: list[list[tuple[int, int]]] | None = None
+    query_key_ends: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,9 @@ class AttentionLayerSpec:
     # ALiBi: scores[h, q, k] += alibi_slopes[h] * (k_pos - q_pos), after softcap, before masking
     # (one slope per query head on this rank; Bloom's slope * k_pos is the same softmax)
     alibi_slopes: tuple[float, ...] | None = None
+    # whether the step's bidirectional ranges apply to this layer (Gemma 4 keeps its full
+    # layers causal and opens only the sliding ones); False = causal whatever the metadata says
+    bidirectional: bool = True
 
     @property
     def v_head_dim(self) -> int:

@@ -1,5 +1,6 @@
 """Reference attention backend: write K/V into the paged cache, gather each sequence's pages and
-run SDPA with an explicit causal (and sliding-window) mask. Correct for every case (prefill,
+run SDPA with an explicit causal mask (OR'd with the sequence's bidirectional ranges, then AND'd
+with the sliding window, as stock's Gemma 3 masks are built). Correct for every case (prefill,
 prefill over a cached prefix, chunked prefill, decode, mixed); serves the CPU and is the oracle
 the GPU kernels are tested against. Loops over sequences on the host, so it is not fast.
 """
@@ -22,12 +23,21 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 
 def causal_mask(
-    q_len: int, context_len: int, sliding_window: int | None, device: torch.device
+    q_len: int,
+    context_len: int,
+    sliding_window: int | None,
+    device: torch.device,
+    bidirectional_ranges: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
-    """[q_len, context_len] bool, True = attend. Query j sits at position context_len-q_len+j."""
+    """[q_len, context_len] bool, True = attend. Query j sits at position context_len-q_len+j.
+
+    ``AND(window, OR(causal, same range))``: a query and a key inside one bidirectional range
+    ``[start, end)`` see each other whatever their order; the window bounds both."""
     q_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
     k_pos = torch.arange(context_len, device=device)[None, :]
     mask = k_pos <= q_pos
+    for start, end in bidirectional_ranges or ():
+        mask |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if sliding_window is not None:
         mask &= (q_pos - k_pos) < sliding_window
     return mask
@@ -74,8 +84,8 @@ def attend(
 
 
 class TorchRefBackend(AttentionBackend):
-    """Every layer spec (GQA, sliding window, softcap, ALiBi, V head dim != K head dim); host
-    loop."""
+    """Every layer spec (GQA, sliding window, softcap, ALiBi, V head dim != K head dim) and
+    bidirectional ranges; host loop."""
 
     name = "torch"
     supports_cuda_graph = False
@@ -117,7 +127,10 @@ class TorchRefBackend(AttentionBackend):
             if group > 1:  # GQA: each kv head serves `group` consecutive q heads
                 keys = keys.repeat_interleave(group, dim=1)
                 vals = vals.repeat_interleave(group, dim=1)
-            mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device)
+            ranges = None
+            if meta.bidirectional_ranges and spec.bidirectional:
+                ranges = meta.bidirectional_ranges[i]
+            mask = causal_mask(e - s, ctx[i], spec.sliding_window, q.device, ranges)
             o = attend(
                 q[s:e].transpose(0, 1),  # [H, q_len, D]
                 keys.transpose(0, 1),  # [H, ctx, D]

@@ -11,7 +11,8 @@ host sync and sizes everything from tensor shapes, so it can be captured in a CU
 The kernels compute every spec the generic path records: score softcap (Gemma2), ALiBi
 (Bloom, MPT; the slopes live in a small fp32 device tensor made once per spec and device),
 attention sinks (GPT-OSS), V head dim != K head dim (MLA) and head dims that are not powers of
-2. ``problem`` names what remains (head dims > 256, odd block sizes, other dtypes), so the
+2, and bidirectional ranges (Gemma 3's images: prefill only, where they can hold a query).
+``problem`` names what remains (head dims > 256, odd block sizes, other dtypes), so the
 caller gives those layers the torch reference instead.
 """
 
@@ -116,13 +117,14 @@ class TritonBackend(AttentionBackend):
                 spec.sliding_window,
                 **mods,
             )
+        key_ends = meta.query_key_ends if spec.bidirectional else None
         # host ints only: does the paged cache hold every key the queries need?
         cache_covers = (
             k_cache.numel() > 0
             and meta.block_tables.shape[1] * k_cache.shape[1] >= meta.max_context_len
         )
         if (self.use_flash_prefill or not cache_covers) and self._flash_usable(q, spec, sinks):
-            if _is_pure_prefill(meta):
+            if _is_pure_prefill(meta) and key_ends is None:
                 out = self._flash_prefill(q, k, v, meta, spec)
                 if out is not None:
                     return out
@@ -141,6 +143,7 @@ class TritonBackend(AttentionBackend):
             meta.max_seqlen_q,
             spec.scale,
             spec.sliding_window,
+            query_key_ends=key_ends,
             **mods,
         )
 
@@ -156,7 +159,8 @@ class TritonBackend(AttentionBackend):
     def _forward_no_cache(self, q, k, v, meta, spec, sinks) -> torch.Tensor:
         """No KV cache yet (a profile pass): whole prompts only, through aten flash attention
         when it takes the inputs, else the torch reference."""
-        if self._flash_usable(q, spec, sinks) and _is_pure_prefill(meta):
+        causal = meta.query_key_ends is None or not spec.bidirectional
+        if self._flash_usable(q, spec, sinks) and _is_pure_prefill(meta) and causal:
             out = self._flash_prefill(q, k, v, meta, spec)
             if out is not None:
                 return out

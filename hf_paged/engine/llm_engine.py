@@ -157,6 +157,7 @@ class LLMEngine:
                 "tokens; allowed: proposer=None"
             )
         ids = self.validate_prompt(request.prompt_token_ids)
+        ranges = _check_bidirectional_ranges(request.bidirectional_ranges, len(ids))
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
         if request.prompt_embeds is not None:
             check_prompt_embeds(request.prompt_embeds, len(ids), self.hf_config, self.runtime.mrope)
@@ -169,6 +170,7 @@ class LLMEngine:
         req.beam_search = request.beam_search
         for seq in req.seqs:
             seq.prompt_embeds = request.prompt_embeds
+            seq.bidirectional_ranges = ranges
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -409,3 +411,22 @@ class LLMEngine:
                 self.close()
             except Exception:
                 pass
+
+
+def _check_bidirectional_ranges(ranges, prompt_len: int) -> list[tuple[int, int]]:
+    """``ranges`` as a list of int pairs inside the prompt; raises ``ValueError`` naming them."""
+    from hf_paged.attention.bidirectional import check_ranges
+
+    if not ranges:
+        return []
+    try:
+        out = [(int(a), int(b)) for a, b in ranges]
+    except (TypeError, ValueError):
+        out = None
+    if out is None or any(b > prompt_len for _, b in out):
+        raise ValueError(
+            f"bidirectional_ranges={ranges!r} is not allowed: must be (start, end) position "
+            f"pairs inside the prompt of {prompt_len} tokens"
+        )
+    check_ranges(out)
+    return out

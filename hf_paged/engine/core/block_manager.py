@@ -8,6 +8,7 @@ block is in exactly one of three states:
 - in use: ref count > 0 (never evicted or handed out).
 
 The prefix cache maps a chained hash ``hash_block(parent_hash, block_tokens)`` to a block id. A
+block's tokens in its key are its ids plus each bidirectional range overlapping it. A
 block is registered once it is full and its KV computed, so a later sequence with the same leading
 tokens can take it instead of recomputing it (vLLM v1's ``KVCacheManager``, simplified).
 
@@ -35,9 +36,15 @@ BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash or None, the
 def block_key_tokens(seq: Sequence, i: int, bs: int) -> tuple:
     """What block ``i`` of ``seq`` holds, as its prefix-cache key sees it: its token ids, then
     ``("embeds", key, offset)`` for each prompt-embedding range overlapping it (an image's hash
-    and where it starts relative to the block; ``core/prompt_embeds.py``)."""
-    tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-    return tokens + block_extra_keys(seq.prompt_embeds, i * bs, (i + 1) * bs)
+    and where it starts relative to the block; ``core/prompt_embeds.py``), then for each of the
+    sequence's bidirectional ranges overlapping it, where the range lies relative to the block
+    and all its ids (a token inside a range attends to the range's later tokens too, so its KV
+    depends on ids past its own block)."""
+    lo, hi = i * bs, (i + 1) * bs
+    tokens = tuple(seq.token_ids[lo:hi])
+    bidirectional = tuple(("bidirectional", a - lo, b - lo, tuple(seq.token_ids[a:b]))
+                          for a, b in seq.bidirectional_ranges if a < hi and b > lo)  # fmt: skip
+    return tokens + block_extra_keys(seq.prompt_embeds, lo, hi) + bidirectional
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

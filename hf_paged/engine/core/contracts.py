@@ -46,6 +46,10 @@ class SchedulerOutput:
                 tokens += spec
             chunk = ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample,
                                    state_slot=seq.state_slot)  # fmt: skip
+            if seq.bidirectional_ranges:  # those holding one of the chunk's queries
+                chunk.bidirectional_ranges = [
+                    (a, b) for a, b in seq.bidirectional_ranges if a < start + n and b > start
+                ]
             if spec and sample:
                 chunk.num_logits = 1 + len(spec)
             pe = seq.prompt_embeds
@@ -104,6 +108,9 @@ class ScheduledChunk:
     # on every section), and the delta of positions past the prompt
     mrope_positions: object | None = None
     position_delta: int = 0
+    # the sequence's bidirectional ranges that hold a query of this chunk (``Sequence.
+    # bidirectional_ranges``; each ends inside the chunk's context: the scheduler keeps it whole)
+    bidirectional_ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -50,6 +50,10 @@ class EngineRequest:
     # (``engine/core/prompt_embeds.py``); None: every prompt position from its id. Decode
     # always runs on ids.
     prompt_embeds: PromptEmbeds | None = None
+    # sorted, disjoint prompt ranges (start, end) whose tokens attend to each other both ways
+    # (Gemma 3's images; ``attention/bidirectional.py``): a prefill chunk never ends inside one.
+    # None: causal everywhere
+    bidirectional_ranges: list[tuple[int, int]] | None = None
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:

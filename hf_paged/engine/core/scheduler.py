@@ -9,6 +9,10 @@ prefix cache instead of computing them a second time (n > 1 samples of one promp
 continuations of one context, any callers' shared system prompts). A running sequence with
 speculative tokens (``Sequence.spec_token_ids``) gets them in the same chunk as its last token when
 the budget and the KV allow, else it decodes plainly; ``accept`` keeps what the model verified.
+A prefill chunk never ends inside one of its sequence's bidirectional ranges (an image whose
+tokens attend to each other both ways, ``Sequence.bidirectional_ranges``): it stops before the
+range, or takes all of it in one chunk even past the token budget, so a step exceeds
+``max_num_batched_tokens`` by less than one range.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ class Scheduler:
         """The next step: running sequences first (preempting if KV runs out), then new ones.
 
         Every scheduled sequence appears once with ``num_new_tokens >= 1``; the sum of
-        ``num_new_tokens`` is at most ``max_num_batched_tokens`` and at most ``max_num_seqs``
+        ``num_new_tokens`` is at most ``max_num_batched_tokens`` (plus, when the last chunk takes a
+        whole bidirectional range, less than that range's length) and at most ``max_num_seqs``
         sequences run. Waiting sequences are not admitted in a step that preempted.
         """
         out = SchedulerOutput(seqs=[], num_new_tokens=[])
@@ -87,6 +92,8 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0 and len(out.seqs) < self.max_num_seqs:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, token_budget)
+            if seq.bidirectional_ranges:
+                num_new = whole_ranges(seq.bidirectional_ranges, seq.num_computed_tokens, num_new)
             if num_new < 1:
                 raise RuntimeError(f"running {seq!r} has no token to compute (update missed?)")
             if seq.spec_token_ids:
@@ -120,6 +127,8 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = bm.get_computed_blocks(seq)
             num_new = min(len(seq) - num_cached, token_budget)
+            if seq.bidirectional_ranges:
+                num_new = whole_ranges(seq.bidirectional_ranges, num_cached, num_new)
             if not bm.allocate_slots(seq, num_new, computed_blocks):
                 break
             del self.waiting[k]
@@ -322,3 +331,18 @@ class Scheduler:
             return
         pos = next(k for k, s in enumerate(self.waiting) if s.arrival > seq.arrival)
         self.waiting.insert(pos, seq)
+
+
+def whole_ranges(ranges: list[tuple[int, int]], start: int, num_new: int) -> int:
+    """``num_new`` moved so that the chunk ``[start, start + num_new)`` ends outside every range
+    of ``ranges`` (sorted half-open ``(a, b)``): a chunk that would cut a range after its own
+    start stops before it (its tokens go whole into a later chunk); one that starts at or inside
+    a range runs to the range's end, past the budget if it must, so every step makes progress.
+    """
+    end = start + num_new
+    for a, b in ranges:
+        if a < end < b:
+            return a - start if a > start else b - start
+        if a >= end:
+            break
+    return num_new

@@ -56,6 +56,9 @@ class Sequence:
         # rows the prompt feeds instead of ids at some positions, and M-RoPE positions
         # (``core/prompt_embeds.py``); shared by the request's sequences, never written
         self.prompt_embeds = None
+        # prompt positions [start, end), sorted and disjoint, whose tokens attend to each other
+        # both ways (an image of Gemma 3); the scheduler never ends a prefill chunk inside one
+        self.bidirectional_ranges: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -99,6 +102,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.max_cached_tokens = self.max_cached_tokens
         child.prompt_embeds = self.prompt_embeds
+        child.bidirectional_ranges = self.bidirectional_ranges
         return child
 
     def reset_for_recompute(self) -> None:

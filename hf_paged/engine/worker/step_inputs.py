@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hf_paged.attention import AttentionMetadata
+from hf_paged.attention.bidirectional import query_key_ends
 from hf_paged.engine.core.contracts import ModelInput
 
 
@@ -71,6 +72,11 @@ class StepInputs:
         host = np.array(input_ids + positions + slots + logits_idx, dtype=np.int64)
         dev = self.to_device(host, "inputs")
         meta = self._metadata(inp, cu, ctx, dev[2 * t : 3 * t], False, kv_cache)
+        if any(c.bidirectional_ranges for c in inp.chunks):
+            meta.bidirectional_ranges = [list(c.bidirectional_ranges) for c in inp.chunks]
+            ends = query_key_ends(meta.bidirectional_ranges, cu, ctx)
+            if ends is not None:
+                meta.query_key_ends = self.to_device(np.array(ends, dtype=np.int32), "key_ends")
         positions = dev[t : 2 * t]
         if any(c.mrope_positions is not None or c.position_delta for c in inp.chunks):
             positions = self._mrope_positions(inp, positions)

@@ -10,6 +10,9 @@ Grid: ``(cdiv(max_seqlen_q, BLOCK_Q), num_kv_heads, num_seqs)``. A program's ``B
 ``r // BLOCK_G``, head ``r % BLOCK_G``), so each KV tile feeds the whole GQA group. Key tiles are
 visited in three runs: a masked run at the lower sliding-window edge, an unmasked run of tiles
 every row sees in full (no mask math, no load masks), and a masked run on the causal diagonal.
+With ``query_key_ends`` (bidirectional ranges, ``attention/bidirectional.py``) each query sees
+keys below its own end instead of through its own position, and the diagonal run reaches the
+largest end among the program's rows.
 Score softcap, ALiBi, attention sinks (the running max starts at the sink, the running sum at
 1), head dims that are not powers of 2 and a V head dim != K's are compile-time options
 (``attention_common.py``).
@@ -43,9 +46,11 @@ def paged_prefill_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
+    query_key_ends: torch.Tensor | None = None,  # [num_tokens] int32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v], q.dtype
     """Torch reference of :func:`paged_prefill` without score modifiers (fp32 math, one sequence
     at a time); with softcap / ALiBi / sinks the oracle is ``attention.torch_ref``."""
+    key_ends = None if query_key_ends is None else query_key_ends.tolist()
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -63,6 +68,9 @@ def paged_prefill_ref(
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = k_pos <= q_pos
+        if key_ends is not None:
+            ends = torch.tensor(key_ends[cu[i] : cu[i + 1]], device=q.device)[:, None]
+            visible = k_pos < ends
         if sliding_window is not None:
             visible &= q_pos - k_pos < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -81,6 +89,7 @@ if triton is not None:
         m_i,
         q,
         q_pos,  # [BLOCK_M] query positions
+        key_end,  # [BLOCK_M] one past the last key each row sees (q_pos + 1 when causal)
         slope,  # [BLOCK_M] ALiBi slope * log2(e) per row (read only with ALIBI)
         tile_start,
         k_hi,  # keys >= k_hi are past every query of this program
@@ -131,7 +140,7 @@ if triton is not None:
         s = scores_log2(qk, rel, slope, scale_log2, softcap_scale, softcap_log2, SOFTCAP, ALIBI,
                         TANH_LIBDEVICE)  # fmt: skip
         if MASK:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            visible = (k_pos[None, :] < key_end[:, None]) & k_ok[None, :]
             if WINDOW > 0:
                 visible = visible & (q_pos[:, None] - k_pos[None, :] < WINDOW)
             s = tl.where(visible, s, float("-inf"))
@@ -161,6 +170,7 @@ if triton is not None:
         block_tables_ptr,
         cu_seqlens_q_ptr,
         context_lens_ptr,
+        key_ends_ptr,  # [num_tokens] int32 key end per query (read only with BIDIR)
         alibi_ptr,  # [num_heads] ALiBi slopes (read only with ALIBI)
         sinks_ptr,  # [num_heads] sink logits (read only with SINKS)
         scale_log2,
@@ -178,6 +188,7 @@ if triton is not None:
         stride_vh,
         stride_bt,
         WINDOW: tl.constexpr,  # 0 = no sliding window
+        BIDIR: tl.constexpr,  # read per-query key ends (bidirectional ranges)
         GROUP: tl.constexpr,  # query heads per kv head
         BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of 2
         BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q tokens x BLOCK_G heads
@@ -216,6 +227,10 @@ if triton is not None:
         q = load_tile(q_ptr + row_off + d[None, :], row_ok[:, None], (d < HEAD_DIM)[None, :],
                       True, BLOCK_D != HEAD_DIM)  # fmt: skip
         q_pos = ctx - q_len + tok  # [BLOCK_M]
+        key_end = q_pos + 1  # [BLOCK_M]
+        if BIDIR:
+            key_end = tl.load(key_ends_ptr + q_start + tok, mask=row_ok, other=0)
+            key_end = tl.where(row_ok, key_end, q_pos + 1)
         slope = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ALIBI:
             slope = per_head_log2(alibi_ptr, head, row_ok)
@@ -225,6 +240,8 @@ if triton is not None:
         pos_min = ctx - q_len + q_block * BLOCK_Q
         pos_max = tl.minimum(pos_min + BLOCK_Q, ctx) - 1
         k_hi = pos_max + 1
+        if BIDIR:  # a row inside a range sees past the diagonal, up to the range's end
+            k_hi = tl.maximum(k_hi, tl.max(tl.where(row_ok, key_end, 0), 0))
         lo = pos_min * 0
         full_lo = lo
         if WINDOW > 0:
@@ -244,7 +261,7 @@ if triton is not None:
         v_head_off = kv_head.to(tl.int64) * stride_vh
         for start in range(lo, full_lo, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                acc, l_i, m_i, q, q_pos, key_end, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                 BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
@@ -252,7 +269,7 @@ if triton is not None:
             )  # fmt: skip
         for start in range(full_lo, full_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                acc, l_i, m_i, q, q_pos, key_end, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, False, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                 BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
@@ -260,7 +277,7 @@ if triton is not None:
             )  # fmt: skip
         for start in range(full_hi, k_hi, TILE_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
+                acc, l_i, m_i, q, q_pos, key_end, slope, start, k_hi, k_cache_ptr, v_cache_ptr, bt_row,
                 kv_head_off, v_head_off, stride_cb, stride_cs, stride_vb, stride_vs, scale_log2,
                 softcap_scale, softcap_log2, True, WINDOW, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                 BLOCK_DV, SEPARATE_V, SOFTCAP, ALIBI, TANH_LIBDEVICE, BLOCK_SIZE, TILE_N,
@@ -307,6 +324,7 @@ def paged_prefill(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float
     sinks: torch.Tensor | None = None,  # [num_heads] float
+    query_key_ends: torch.Tensor | None = None,  # [num_tokens] int32
     out: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
@@ -316,6 +334,8 @@ def paged_prefill(
     positions ``<=`` its own (and ``> pos - sliding_window`` when set). ``max_seqlen_q`` must be
     ``>= max(q_len_i)`` (it sizes the grid). Tokens not covered by ``cu_seqlens_q`` are not
     written in ``out``. ``softcap`` / ``alibi_slopes`` / ``sinks`` as in :func:`paged_decode`.
+    With ``query_key_ends`` (``attention/bidirectional.py``) query ``t`` sees keys below
+    ``query_key_ends[t]`` instead (never past its sequence's context), still within the window.
     ``config`` overrides ``BLOCK_M`` / ``TILE_N`` / ``num_warps`` / ``num_stages`` (benchmarks).
 
     Raises:
@@ -327,6 +347,11 @@ def paged_prefill(
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 entries, block_tables num_seqs rows")
+    if query_key_ends is not None and query_key_ends.shape != (num_tokens,):
+        raise ValueError(
+            f"query_key_ends of shape {tuple(query_key_ends.shape)} is not allowed: must be "
+            f"[num_tokens] = [{num_tokens}]"
+        )
     v_strides, dims = dim_args(q, k_cache, v_cache)
     mod_args, mods = score_args(q, scale, softcap, alibi_slopes, sinks)
     if out is None:
@@ -342,11 +367,13 @@ def paged_prefill(
     grid = (triton.cdiv(max_seqlen_q, block_q), num_kv_heads, num_seqs)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        cu_seqlens_q if query_key_ends is None else query_key_ends,  # unread without BIDIR
         mod_args[0], mod_args[1], scale * LOG2E, mod_args[2], mod_args[3],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_strides,
         block_tables.stride(0),
         WINDOW=sliding_window or 0,
+        BIDIR=query_key_ends is not None,
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
