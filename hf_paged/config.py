@@ -108,7 +108,8 @@ class EngineConfig:
         num_kv_blocks: fixed number of KV blocks; None = size from memory.
         kv_cache_bytes: byte budget for the KV cache (all layers, K and V). Used on CPU and on
             GPU when given; None on GPU = size from ``gpu_memory_utilization``; None on CPU =
-            room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 512 MiB
+            room for 8 times ``max_num_seqs`` sequences of ``max_model_len`` tokens (the
+            prefix cache keeps earlier calls' blocks), at most 512 MiB
             (its pages are zero pages until a block is written: memory follows the work).
         gpu_memory_utilization: the engine's share of the GPU's memory, everything it holds
             (weights, activations, KV cache, CUDA graphs); refused, naming who holds the

@@ -232,9 +232,10 @@ class ModelRunner:
                 ).num_blocks
             except KVCacheMemoryError as exc:
                 num_blocks, error = 0, exc
-        else:  # CPU: the engine's whole work (every sequence at full length), within a cap
+        else:  # CPU: the engine's whole work (every sequence at full length) 8 times over, so
+            # that earlier calls' blocks stay in the prefix cache, within a cap
             full_batch = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
-            num_blocks = min(_CPU_DEFAULT_KV_BYTES // block_bytes, full_batch)
+            num_blocks = min(_CPU_DEFAULT_KV_BYTES // block_bytes, 8 * full_batch)
         own = num_blocks
         t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
