@@ -67,7 +67,7 @@ def generate_beams(model, engine, call: PreparedCall, contract: CacheContract | 
         if contract is not None:
             b, k, _ = beams.running_sequences.shape
             running = beams.running_sequences[:, :, : beams.cur_len].reshape(b * k, beams.cur_len)
-            cache = fill(contract, engine, running, call.attention_mask)
+            cache = fill(contract, engine, running, call)
     return _outputs(call, beams, scores, logits, cache)
 
 

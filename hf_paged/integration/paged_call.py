@@ -70,7 +70,7 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
         else:
             outs = engine().run(way.requests)
             sequences, scores, logits = way.sequences([o.token_ids for o in outs]), None, None
-        cache = fill(contract, engine(), sequences, way.call.attention_mask)
+        cache = fill(contract, engine(), sequences, way.call)
     if not way.call.generation_config.return_dict_in_generate:
         return sequences
     fields = {output_field(): cache}  # transformers 5.17 names it past_key_values, 5.24 cache

@@ -22,6 +22,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.prompt_rows import prompt_rows
 
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 # beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
@@ -68,8 +69,12 @@ class PreparedCall:
     mm_inputs: dict | None = None
     mm_input_ids: torch.Tensor | None = None
     mm_attention_mask: torch.Tensor | None = None
-    # per row of ``prompts``: its ``PromptEmbeds`` (None: from its ids), set by the route
+    # per row of ``prompts``: its ``PromptEmbeds`` (None: from its ids), set by the route for
+    # images, by ``prompt_rows`` for ``inputs_embeds``
     prompt_embeds: list | None = None
+    # the prompt came as ``inputs_embeds``: ``prompts`` are the caller's ids or placeholders,
+    # and ``input_ids`` what stock loops on ([B, 0] without ids)
+    from_inputs_embeds: bool = False
 
     def request_embeds(self, i: int):
         """Row ``i``'s prompt embeddings (None for a text-only call or row)."""
@@ -108,21 +113,23 @@ def prepare_call(
     mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
                                      ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
     model._validate_generation_mode(mode, gen, mode_kwargs)
-    inputs_tensor, mask, mm_inputs = _prepare_prompt(model, gen, inputs, model_kwargs)
+    inputs_tensor, mask, mm_inputs, ids = _prepare_prompt(model, gen, inputs, model_kwargs)
     input_mask = mask  # [B0, L]: the rows as given, before they are repeated
-
+    embeds = None if ids is inputs_tensor else inputs_tensor  # [B, L, hidden] inputs_embeds
+    extra = {"attention_mask": mask} if embeds is None else {"attention_mask": mask,
+                                                            "inputs_embeds": embeds}  # fmt: skip
     input_ids, expanded = model._expand_inputs_for_generation(
-        input_ids=inputs_tensor,
+        input_ids=ids,
         expand_size=max(gen.num_beams, gen.num_return_sequences),  # as stock: rows per prompt
         is_encoder_decoder=False,
-        attention_mask=mask,
+        **extra,
     )
-    mask, length = expanded["attention_mask"], input_ids.shape[1]  # [B, L]
+    mask, length = expanded["attention_mask"], input_ids.shape[1]  # [B, L]; L = 0: embeds only
     gen = model._prepare_generated_length(
         generation_config=gen,
         has_default_max_length=defaults["max_length"],
         has_default_min_length=defaults["min_length"],
-        model_input_name="input_ids",
+        model_input_name="input_ids" if embeds is None else "inputs_embeds",
         inputs_tensor=inputs_tensor,
         input_ids_length=length,
     )
@@ -145,6 +152,7 @@ def prepare_call(
         tokenizer=tokenizer,
     )
     keep = mask.bool()
+    rows = prompt_rows(input_ids, keep, expanded.get("inputs_embeds"))
     # transformers' own max-length / EOS / stop-string criteria are planned natively
     user_criteria = any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ())
     wants_scores = bool(gen.return_dict_in_generate and (gen.output_scores or gen.output_logits))
@@ -152,7 +160,7 @@ def prepare_call(
     pad = gen._pad_token_tensor
     return PreparedCall(
         input_ids=input_ids,
-        prompts=[row[k].tolist() for row, k in zip(input_ids, keep, strict=True)],
+        prompts=rows.prompts,
         generation_config=gen,
         processors=processors,
         criteria=criteria,
@@ -171,17 +179,27 @@ def prepare_call(
         mm_inputs=mm_inputs,
         mm_input_ids=inputs_tensor if mm_inputs else None,
         mm_attention_mask=input_mask if mm_inputs else None,
+        prompt_embeds=rows.prompt_embeds,
+        from_inputs_embeds=embeds is not None,
     )
 
 
 def _prepare_prompt(model, gen, inputs, model_kwargs):
-    """``(input_ids [B, L], attention_mask [B, L], image inputs or None)`` as stock builds them
-    (a missing mask is inferred from the pad id); sets the config's special-token tensors."""
+    """``(inputs_tensor, attention_mask [B, L], image inputs or None, input_ids)`` as stock
+    builds them (a missing mask is inferred from the pad id); sets the config's special-token
+    tensors. ``inputs_tensor`` is the ``[B, L]`` input_ids (then ``input_ids`` is it), or
+    ``[B, L, hidden]`` inputs_embeds with the ``[B, 0]`` or ``[B, L]`` ids stock loops on."""
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, gen.bos_token_id, model_kwargs
     )
-    if input_name != "input_ids" or inputs_tensor.dim() != 2:
-        raise PagedFallback("inputs_embeds", "the prompt is not a 2-D input_ids tensor")
+    ids = inputs_tensor
+    if input_name == "inputs_embeds" and inputs_tensor.dim() == 3:
+        ids = model_kwargs.pop("input_ids")
+        model_kwargs.pop("inputs_embeds", None)  # stock keeps it there for its first step
+        if ids.shape[1] not in (0, inputs_tensor.shape[1]):
+            raise PagedFallback("inputs_embeds", "input_ids and inputs_embeds differ in length")
+    elif input_name != "input_ids" or inputs_tensor.dim() != 2:
+        raise PagedFallback("inputs_embeds", "the prompt is neither input_ids nor inputs_embeds")
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
     if any(k in CACHE_KWARGS for k in extra):  # ``generate_paged`` takes it out and serves it
         raise PagedFallback("past_key_values", "a cache was passed to a many-prompt front end")
@@ -197,8 +215,8 @@ def _prepare_prompt(model, gen, inputs, model_kwargs):
         mask = model._prepare_attention_mask_for_generation(inputs_tensor, gen, model_kwargs)
     elif mask.dim() > 2:
         raise ValueError("`attention_mask` passed to `generate` must be 2D.")
-    if mask.shape != inputs_tensor.shape:
-        raise PagedFallback("attention_mask", "attention_mask's shape differs from input_ids'")
+    if mask.shape != inputs_tensor.shape[:2]:
+        raise PagedFallback("attention_mask", "attention_mask's shape differs from the input's")
     if not bool(((mask == 0) | (mask == 1)).all()):
         # stock's forward takes its positions from the mask's running sum and its attention
         # bias from the values: the engine knows attended (1) and padding (0) only
@@ -209,7 +227,9 @@ def _prepare_prompt(model, gen, inputs, model_kwargs):
         # stock gives a right-padded row a pad query and restarts its positions after the pads:
         # no paged engine can reproduce that, so those calls run stock
         raise PagedFallback("right_padding", "the input is right padded")
-    return inputs_tensor, mask, mm_inputs
+    if mm_inputs and ids is not inputs_tensor:
+        raise PagedFallback("inputs_embeds", "inputs_embeds with image inputs")
+    return inputs_tensor, mask, mm_inputs, ids
 
 
 def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | None:

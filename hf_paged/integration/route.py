@@ -121,6 +121,10 @@ def route(
     _check_recurrent(model, call)
     if call.mm_inputs is not None:  # images: each row's features, from the engine's cache
         call.prompt_embeds = _image_embeds(model, call, runtime_of())
+    if call.from_inputs_embeds and (call.beams or call.assisted):
+        raise PagedFallback(
+            "inputs_embeds", "inputs_embeds with beam search or assisted decoding"
+        )  # fmt: skip
     if call.beams:
         return Beams(call)
     spec = spec_plan(call) if call.assisted else None  # its refusals need no engine
@@ -129,8 +133,10 @@ def route(
             "assisted_rows", "an assistant model drafts for one generate call at a time"
         )
     runtime = runtime_of()
-    plan = native_plan(call, runtime.vocab_size)
-    if isinstance(plan, Refusal):
+    # inputs_embeds: stock's processors see its ids ([B, 0] or the caller's), not the engine's
+    # placeholders, so its loop body runs on the engine's logits
+    plan = None if call.from_inputs_embeds else native_plan(call, runtime.vocab_size)
+    if plan is None or isinstance(plan, Refusal):
         if spec is not None:  # speculative steps serve native plans only
             raise PagedFallback(
                 "assisted_processors", "assisted decoding with logits processors or stopping "

@@ -53,8 +53,6 @@ def _call_refusal(model, args: dict, kwargs: dict) -> Refusal | None:
         args.get("negative_prompt_attention_mask") is not None
     ):
         return Refusal("guidance_scale", "a negative prompt needs a second model pass")
-    if kwargs.get("inputs_embeds") is not None:
-        return Refusal("inputs_embeds", "inputs_embeds were passed")
     if kwargs.get("cache_implementation") == "paged":
         return Refusal(
             "cache_implementation", "cache_implementation='paged' selects transformers' own"

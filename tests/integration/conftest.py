@@ -18,7 +18,7 @@ from hf_paged.integration.pipeline import (
     is_pipeline_installed,
     uninstall_pipeline,
 )
-from hf_paged.testing import SMALL_ENGINE, build_hf_model, save_checkpoint
+from hf_paged.testing import SMALL_ENGINE, build_hf_model, build_tiny, save_checkpoint
 from tests.integration.fake_engine import FakeEngine
 
 ENGINE_KINDS = ("fake", "real")
@@ -50,6 +50,46 @@ def model(request, models, monkeypatch):
     if request.param == "fake":
         monkeypatch.setattr(dispatch, "engine_factory", fake_factory)
     return models[request.param]
+
+
+# ---- the generate-contract tests (test_returned_cache.py, test_inputs_embeds.py) ---------------
+
+# native Llama, a generic-path model with sliding layers, an MoE, a hybrid with recurrent layers
+CONTRACT_FAMILIES = ("llama", "gemma2", "qwen3_moe", "qwen3_5_text")
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    """One tiny fp32 model per family of ``CONTRACT_FAMILIES``, configured for the small engine
+    and released at the end of the module."""
+    built = {}
+    for fam in CONTRACT_FAMILIES:
+        model = build_hf_model("llama", seed=0) if fam == "llama" else build_tiny(fam, seed=0)[1]
+        dispatch.configure(model, **SMALL_ENGINE)
+        built[fam] = model
+    yield built
+    for model in built.values():
+        dispatch.release(model)
+
+
+@pytest.fixture(params=CONTRACT_FAMILIES)
+def family_model(request, family_models):
+    return family_models[request.param]
+
+
+@pytest.fixture
+def refusals(monkeypatch):
+    """The reason key of every paged call that ran stock (a served call adds nothing)."""
+    seen: list[str] = []
+    stock = dispatch.call_stock
+
+    def recording(original, model, args, kwargs, fb=None):
+        if fb is not None:
+            seen.append(fb.reason)
+        return stock(original, model, args, kwargs, fb)
+
+    monkeypatch.setattr(dispatch, "call_stock", recording)
+    return seen
 
 
 # ---- the pipeline tests (test_pipeline*.py) ---------------------------------------------------

@@ -106,7 +106,10 @@ def _call_cases(llama):
                 base, input_ids=IDS, output_hidden_states=True, return_dict_in_generate=True
             ),
         ),
-        "inputs_embeds": ("inputs_embeds", lambda: dict(base, inputs_embeds=emb)),
+        "inputs_embeds_beams": (
+            "inputs_embeds",
+            lambda: dict(base, inputs_embeds=emb, num_beams=2),
+        ),
         "guidance_scale": ("guidance_scale", lambda: dict(base, input_ids=IDS, guidance_scale=1.5)),
         "position_ids": (
             "model_kwargs",

@@ -14,7 +14,8 @@ from transformers.generation import GenerationMixin, GenerationMode
 from hf_paged.integration.contract.options import (
     GENERATE_ARGUMENTS,
     GENERATION_CONFIG_OPTIONS,
-    SERVED,
+    fallback_keys,
+    shown,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -37,8 +38,7 @@ def _reason_keys() -> set[str]:
     keys = set()
     for table in (GENERATION_CONFIG_OPTIONS, GENERATE_ARGUMENTS):
         for status, _ in table.values():
-            if status != SERVED:
-                keys |= {k.strip() for k in status.split("|")}
+            keys |= set(fallback_keys(status))
     return keys
 
 
@@ -56,5 +56,4 @@ def test_the_docs_list_every_option_with_its_status():
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", doc, flags=re.M))
     for table in (GENERATION_CONFIG_OPTIONS, GENERATE_ARGUMENTS):
         for name, (status, _) in table.items():
-            keys = ", ".join(f"`{k.strip()}`" for k in status.split("|"))
-            assert rows.get(name) == (SERVED if status == SERVED else f"falls back: {keys}"), name
+            assert rows.get(name) == shown(status), name

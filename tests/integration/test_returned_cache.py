@@ -1,10 +1,7 @@
-"""The cache a paged ``generate`` call returns and takes, against stock's in fp32, for four
-families: native Llama, a generic-path model with sliding layers (Gemma 2), an MoE (Qwen3-MoE,
-generic path) and a hybrid with recurrent layers (Qwen3.5, whose cache calls fall back by name).
-
-Stock's cache holds every token but the last in the padded layout; its padding slots hold what
-stock's forward computed for pad tokens, ours zeros (masked, never read), so contents are
-compared at attended positions, shapes everywhere."""
+"""The cache a paged ``generate`` call returns and takes, against stock's in fp32, for the four
+families of ``family_model`` (conftest.py): native Llama, a generic-path model with sliding
+layers (Gemma 2), an MoE (Qwen3-MoE) and a hybrid with recurrent layers (Qwen3.5, whose cache
+calls run stock by name). Contents compare at attended positions (``testing/caches.py``)."""
 
 from __future__ import annotations
 
@@ -13,45 +10,11 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation import CompileConfig
 
-from hf_paged.integration import dispatch
-from hf_paged.testing import SMALL_ENGINE, build_hf_model, build_tiny, left_pad, make_prompts
+from hf_paged.models.recurrent.registry import recurrent_modules
+from hf_paged.testing import left_pad, make_prompts
+from hf_paged.testing.caches import assert_same_cache, grown_mask
 
-FAMILIES = ("llama", "gemma2", "qwen3_moe", "qwen3_5_text")
-HYBRID = "qwen3_5_text"  # stock's cache holds conv / recurrent states: runs stock by name
 NEW = 5
-TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def models():
-    built = {}
-    for fam in FAMILIES:
-        model = build_hf_model("llama", seed=0) if fam == "llama" else build_tiny(fam, seed=0)[1]
-        dispatch.configure(model, **SMALL_ENGINE)
-        built[fam] = model
-    yield built
-    for model in built.values():
-        dispatch.release(model)
-
-
-@pytest.fixture(params=FAMILIES)
-def model(request, models):
-    return models[request.param]
-
-
-@pytest.fixture
-def refusals(monkeypatch):
-    """The reason of every paged call that ran stock (a served call adds nothing)."""
-    seen: list[str] = []
-    stock = dispatch.call_stock
-
-    def recording(original, model, args, kwargs, fb=None):
-        if fb is not None:
-            seen.append(fb.reason)
-        return stock(original, model, args, kwargs, fb)
-
-    monkeypatch.setattr(dispatch, "call_stock", recording)
-    return seen
 
 
 def _batch(model, lengths=(1, 6)):
@@ -60,31 +23,8 @@ def _batch(model, lengths=(1, 6)):
 
 
 def _expected_reasons(model) -> list[str]:
-    return ["recurrent_cache"] if model.config.model_type == HYBRID else []
-
-
-def assert_same_cache(stock, paged, mask: torch.Tensor) -> None:
-    """Same class, layer classes, lengths and shapes; K and V within TOL where ``mask`` [N, S]
-    (the prompt mask grown by the generated tokens) attends."""
-    assert type(paged) is type(stock)
-    assert [type(a) for a in paged.layers] == [type(a) for a in stock.layers]
-    assert int(paged.get_seq_length()) == int(stock.get_seq_length()) == mask.shape[1]
-    for a, b in zip(stock.layers, paged.layers, strict=True):
-        if not hasattr(a, "keys"):  # a recurrent layer (the hybrid ran stock: same object kind)
-            continue
-        assert a.keys.shape == b.keys.shape and a.values.shape == b.values.shape
-        n = a.keys.shape[-2]
-        static = isinstance(stock, StaticCache)
-        keep = mask[:, :n] if static else mask[:, -n:]  # a sliding layer keeps the last n
-        keep = torch.nn.functional.pad(keep, (0, n - keep.shape[1]))  # static: unused tail
-        for x, y in ((a.keys, b.keys), (a.values, b.values)):
-            x, y = x.transpose(1, 2)[keep], y.transpose(1, 2)[keep]
-            torch.testing.assert_close(y, x, atol=TOL, rtol=TOL)
-
-
-def _grown(mask, length: int, rows: int) -> torch.Tensor:
-    mask = mask.repeat_interleave(rows // mask.shape[0], dim=0).bool()
-    return torch.nn.functional.pad(mask, (0, length - mask.shape[1]), value=True)
+    """A hybrid's cache holds conv / recurrent states: its cache calls run stock by name."""
+    return ["recurrent_cache"] if recurrent_modules(model) else []
 
 
 def _both(model, **kw):
@@ -92,32 +32,35 @@ def _both(model, **kw):
     return model.generate(**kw), model.generate(**kw, backend="paged")
 
 
-def test_returned_cache_equals_stock(model, refusals):
+def test_returned_cache_equals_stock(family_model, refusals):
+    model = family_model
     ids, mask = _batch(model)
     stock, paged = _both(model, input_ids=ids, attention_mask=mask)
     assert refusals == _expected_reasons(model)
     assert torch.equal(paged.sequences, stock.sequences)
     length = stock.sequences.shape[1] - 1
-    assert_same_cache(stock.cache, paged.cache, _grown(mask, length, ids.shape[0]))
+    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, ids.shape[0]))
 
 
-def test_static_cache_returns_a_static_cache(model, refusals):
+def test_static_cache_returns_a_static_cache(family_model, refusals):
+    model = family_model
     ids, mask = _batch(model)
     stock, paged = _both(model, input_ids=ids, attention_mask=mask, cache_implementation="static")
     assert refusals == _expected_reasons(model)
     assert isinstance(paged.cache, StaticCache)
     assert torch.equal(paged.sequences, stock.sequences)
     length = stock.sequences.shape[1] - 1
-    assert_same_cache(stock.cache, paged.cache, _grown(mask, length, ids.shape[0]))
+    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, ids.shape[0]))
 
 
-def test_continuing_from_the_returned_cache(model, refusals):
+def test_continuing_from_the_returned_cache(family_model, refusals):
+    model = family_model
     """The documented "continue from past key values" pattern: the second call takes the first
     call's sequences plus new tokens and its cache."""
     ids, mask = _batch(model)
     stock, paged = _both(model, input_ids=ids, attention_mask=mask)
     more = torch.tensor([[5, 9, 4], [7, 3, 8]]) % model.config.vocab_size
-    grown = torch.cat([_grown(mask, stock.sequences.shape[1], 2).long(), torch.ones(2, 3)], 1)
+    grown = torch.cat([grown_mask(mask, stock.sequences.shape[1], 2).long(), torch.ones(2, 3)], 1)
     kw = dict(attention_mask=grown.long(), max_new_tokens=NEW, do_sample=False,
               return_dict_in_generate=True, output_scores=True)  # fmt: skip
     s2 = model.generate(torch.cat([stock.sequences, more], 1), cache=stock.cache, **kw)
@@ -127,13 +70,14 @@ def test_continuing_from_the_returned_cache(model, refusals):
     assert torch.equal(p2.sequences, s2.sequences)
     for x, y in zip(s2.scores, p2.scores, strict=True):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
-    assert_same_cache(s2.cache, p2.cache, _grown(grown, s2.sequences.shape[1] - 1, 2))
+    assert_same_cache(s2.cache, p2.cache, grown_mask(grown, s2.sequences.shape[1] - 1, 2))
 
 
-def test_multi_turn_chat_feeding_the_cache_back(model, refusals):
+def test_multi_turn_chat_feeding_the_cache_back(family_model, refusals):
+    model = family_model
     """Three turns, one cache per side fed back every turn (filled in place, as stock fills it):
     served paged and equal to stock at every turn."""
-    if model.config.model_type == HYBRID:
+    if recurrent_modules(model):
         pytest.skip("the hybrid's cache runs stock by name (test_returned_cache_equals_stock)")
     vocab = model.config.vocab_size
     caches = {"stock": DynamicCache(), "paged": DynamicCache()}
@@ -154,18 +98,18 @@ def test_multi_turn_chat_feeding_the_cache_back(model, refusals):
     assert refusals == []
 
 
-def test_beams_return_stocks_reordered_cache(models, refusals):
-    model = models["llama"]
+def test_beams_return_stocks_reordered_cache(family_models, refusals):
+    model = family_models["llama"]
     ids, mask = _batch(model, (3, 6))
     stock, paged = _both(model, input_ids=ids, attention_mask=mask, num_beams=3)
     assert refusals == []
     assert torch.equal(paged.sequences, stock.sequences)
     rows, length = 6, int(stock.cache.get_seq_length())  # the running beams, not the returned
-    assert_same_cache(stock.cache, paged.cache, _grown(mask, length, rows))
+    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, rows))
 
 
-def test_a_cache_of_other_tokens_runs_stock(models, refusals):
-    model = models["llama"]
+def test_a_cache_of_other_tokens_runs_stock(family_models, refusals):
+    model = family_models["llama"]
     ids = torch.tensor([make_prompts([7], seed=4)[0]])
     other = DynamicCache()
     with torch.no_grad():
@@ -176,8 +120,8 @@ def test_a_cache_of_other_tokens_runs_stock(models, refusals):
     assert torch.equal(paged, stock)
 
 
-def test_a_legacy_tuple_cache_runs_stock(models, refusals):
-    model = models["llama"]
+def test_a_legacy_tuple_cache_runs_stock(family_models, refusals):
+    model = family_models["llama"]
     ids = torch.tensor([make_prompts([7], seed=4)[0]])
     legacy = tuple((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)) for _ in range(2))
     with pytest.raises(ValueError, match="tuple"):  # stock's own error in this transformers
@@ -185,10 +129,10 @@ def test_a_legacy_tuple_cache_runs_stock(models, refusals):
     assert refusals == ["past_key_values"]
 
 
-def test_compile_config_sets_up_stocks_compiled_forward(models, refusals):
+def test_compile_config_sets_up_stocks_compiled_forward(family_models, refusals):
     """Where stock's criteria say it would compile its forward, the paged call leaves
     ``_compiled_call`` on the model as stock does (nothing compiles until it is called)."""
-    model = models["llama"]
+    model = family_models["llama"]
     config = CompileConfig()
     config._compile_all_devices = True  # stock compiles on CPU only when told to
     model.__dict__.pop("_compiled_call", None)

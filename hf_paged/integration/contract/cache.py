@@ -120,6 +120,8 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
             "their conv and recurrent states"
         )
     if passed is not None:
+        if call.prompt_embeds is not None:
+            return "past_key_values", "a cache was passed with inputs_embeds or images"
         if isinstance(passed, (tuple, list)):
             return "past_key_values", "a legacy tuple cache was passed in (stock decides)"
         name = type(passed).__name__
@@ -231,20 +233,25 @@ def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
                 )
 
 
-def fill(contract: CacheContract, engine, sequences: torch.Tensor, prompt_mask: torch.Tensor):
+def fill(contract: CacheContract, engine, sequences: torch.Tensor, call: PreparedCall):
     """Stock's cache after the call: ``contract.cache`` reset and filled with the engine's KV of
-    ``sequences[:, :-1]`` (``[N, S + 1]``; the prompt part attended where ``prompt_mask``
-    ``[N, L]`` is 1, every later token attended, as stock's mask grows).
+    ``sequences[:, :-1]`` (``[N, S + 1]``: the prompt's columns attended where the call's mask
+    is 1, every later token attended, as stock's mask grows; with ``inputs_embeds`` alone the
+    sequences hold the new tokens only, and the embedded prompt comes first).
 
     Returns:
         The filled cache (None when the contract has none to fill).
     """
     if not contract.fill:
         return contract.cache
+    prompt_mask = call.attention_mask
+    if call.from_inputs_embeds and call.input_ids.shape[1] == 0:  # embeds only
+        placeholders = sequences.new_zeros(sequences.shape[0], prompt_mask.shape[1])
+        sequences = torch.cat([placeholders, sequences], dim=1)
     n, total = sequences.shape
     grown = torch.ones(n, total - prompt_mask.shape[1], dtype=torch.bool, device=prompt_mask.device)
     mask = torch.cat([prompt_mask.bool(), grown], dim=1)[:, : total - 1]  # [N, S]
-    kv = padded_kv(engine, sequences[:, : total - 1], mask)
+    kv = padded_kv(engine, sequences[:, : total - 1], mask, call.prompt_embeds)
     cache = contract.cache
     cache.reset()
     for j, (k, v) in enumerate(kv):
@@ -253,13 +260,14 @@ def fill(contract: CacheContract, engine, sequences: torch.Tensor, prompt_mask: 
 
 
 def padded_kv(
-    engine, ids: torch.Tensor, mask: torch.Tensor
+    engine, ids: torch.Tensor, mask: torch.Tensor, prompt_embeds: list | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every KV layer's ``(k [N, H, S, D], v [N, H, S, Dv])`` for ``ids`` ``[N, S]``: the
-    engine's KV of each row's attended tokens at their positions, zeros at masked ones."""
+    engine's KV of each row's attended tokens at their positions, zeros at masked ones
+    (``prompt_embeds``: per row, the rows its first attended positions take)."""
     mask = mask.bool().cpu()
     rows = [r[k].tolist() for r, k in zip(ids.cpu(), mask, strict=True)]
-    flat = _rows_kv(engine, rows)  # per layer ([T, H, D], [T, H, Dv]), rows one after another
+    flat = _rows_kv(engine, rows, prompt_embeds or [None] * len(rows))  # rows one after another
     row_idx, pos_idx = mask.nonzero(as_tuple=True)  # row-major: the order of ``flat``
     n, s = mask.shape
     out = []
@@ -274,7 +282,9 @@ def padded_kv(
     return out
 
 
-def _rows_kv(engine, rows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _rows_kv(
+    engine, rows: list[list[int]], embeds: list
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``engine.request_kv`` of ``rows`` run as external-sampling requests that pause after
     their prefill, holding their blocks, in as many groups as the KV cache holds at once."""
     size = engine.config.kv_block_size
@@ -288,7 +298,7 @@ def _rows_kv(engine, rows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Te
         current.append(i)
         used += blocks
     groups.append(current)
-    parts = [_group_kv(engine, [rows[i] for i in g if rows[i]]) for g in groups]
+    parts = [_group_kv(engine, [(rows[i], embeds[i]) for i in g if rows[i]]) for g in groups]
     parts = [p for p in parts if p]
     if len(parts) == 1:
         return parts[0]
@@ -296,13 +306,16 @@ def _rows_kv(engine, rows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Te
             for j in range(len(parts[0]))]  # fmt: skip
 
 
-def _group_kv(engine, rows: list[list[int]]):
+def _group_kv(engine, rows: list[tuple[list[int], object]]):
     if not rows:
         return None
     params = SamplingParams(temperature=0.0, max_tokens=1)
     with engine.request_group() as group:
-        rids = [group.add(EngineRequest(r, params, external_sampling=True)) for r in rows]
-        group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r in rows) + 16)
+        rids = [
+            group.add(EngineRequest(r, params, external_sampling=True, prompt_embeds=pe))
+            for r, pe in rows
+        ]
+        group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r, _ in rows) + 16)
         kv = engine.request_kv(rids)
         for rid in rids:
             group.close(rid)

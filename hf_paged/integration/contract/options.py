@@ -3,9 +3,10 @@ or run stock under a named reason. Nothing is accepted and ignored.
 
 One table, read by ``docs/generate_options.md`` (which lists each entry) and by a test that walks
 ``GenerationConfig``'s attributes and ``generate``'s signature, so an option a new transformers
-adds fails that test until someone decides it here. ``SERVED`` means the call runs paged with
-stock's result; any other status is the reason key of the ``PagedFallback`` that sends the call
-to stock (``[reason]`` in the warning), with the condition under which it does.
+adds fails that test until someone decides it here. A status is ``"served"`` (the call runs
+paged with stock's result), reason keys ``"a | b"`` (the ``PagedFallback`` that sends the call to
+stock, ``[reason]`` in its warning), or ``"served | a"``: served, and the named cases (the why
+says which) run stock.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ GENERATION_CONFIG_OPTIONS: dict[str, tuple[str, str]] = {
     # cache and compilation
     "use_cache": (SERVED, "True: stock's cache is returned (contract/cache.py); False: none"),
     "cache_implementation": (
-        "cache_implementation | recurrent_cache",
+        "served | cache_implementation | recurrent_cache",
         "dynamic and static (and their sliding / hybrid forms) are returned as stock's class; "
         "'quantized' and 'offloaded' run stock when the cache is returned; 'paged' (transformers' "
         "own continuous batching) always runs stock",
@@ -143,21 +144,40 @@ GENERATE_ARGUMENTS: dict[str, tuple[str, str]] = {
     "custom_generate": ("custom_generate", "it replaces the decoding loop"),
     # model inputs passed through **kwargs
     "attention_mask": (
-        "right_padding | attention_mask",
+        "served | right_padding | attention_mask",
         "left padding is served; right padding runs stock (stock predicts the next token from "
         "a pad position and restarts positions after the pads); values other than 0 and 1 run "
         "stock",
     ),
     "cache": (
-        "past_key_values | recurrent_cache",
+        "served | past_key_values | recurrent_cache",
         "a DynamicCache with input_ids holding the whole sequence is served and filled in place; "
         "a legacy tuple, another cache class or batch, a cache that is not this model's KV of "
         "input_ids' first tokens, or a model with recurrent layers run stock",
     ),
-    "inputs_embeds": ("inputs_embeds", "see docs/generate_options.md"),
+    "inputs_embeds": (
+        "served | inputs_embeds",
+        "prefill from the rows, decode from ids (with or without input_ids; only the new tokens "
+        "come back without them, as stock); with beams or assisted decoding, or input_ids of "
+        "another length, it runs stock",
+    ),
     "use_cache": (SERVED, "as the option above"),
     "logits_to_keep": (SERVED, "the engine computes the last position's logits only"),
     "tokenizer": (SERVED, "stop strings are matched with it, as stock"),
 }
 
-__all__ = ["GENERATE_ARGUMENTS", "GENERATION_CONFIG_OPTIONS", "SERVED"]
+
+def fallback_keys(status: str) -> list[str]:
+    """The reason keys a status names (none for ``"served"``)."""
+    return [k.strip() for k in status.split("|") if k.strip() != SERVED]
+
+
+def shown(status: str) -> str:
+    """How docs/generate_options.md shows a status."""
+    keys = ", ".join(f"`{k}`" for k in fallback_keys(status))
+    if not keys:
+        return SERVED
+    return f"served; else falls back: {keys}" if SERVED in status else f"falls back: {keys}"
+
+
+__all__ = ["GENERATE_ARGUMENTS", "GENERATION_CONFIG_OPTIONS", "SERVED", "fallback_keys", "shown"]
