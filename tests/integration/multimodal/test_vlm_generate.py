@@ -24,6 +24,7 @@ from hf_paged.testing.vlm import (
     FAMILIES,
     batch,
     build_tiny_vlm,
+    expand,
     image,
     paged_greedy,
     stock_greedy,
@@ -86,3 +87,29 @@ def test_gemma3_runs_stock_by_name():
     assert len(msgs) == 1 and "bidirectionally" in msgs[0]
     ref = model.generate(**kw, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def test_preempted_requests_recompute_their_images(vlm):
+    """KV for about one request at a time: requests are preempted and recomputed from their
+    prompt (image rows and positions included)."""
+    model, rows, stock = vlm
+    longest = max(len(expand(model, r)) for r in rows) + NEW
+    blocks = -(-longest // 4)  # just enough KV for the longest request alone
+    assert paged(model, rows, dict(ENGINE, max_model_len=4 * blocks, num_kv_blocks=blocks)) == stock
+    assert existing_owner(model).engine.stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [("paligemma", "bidirectionally"), ("molmo2", "bidirectionally"),
+     ("aya_vision", "has not been checked"), ("vipllava", "has not been checked")],
+)  # fmt: skip
+def test_other_families_are_refused_by_name(model_type, why):
+    """Families whose image attention is not causal, or whose merge has not been checked
+    against stock, run stock under a named reason (the config alone decides)."""
+    from transformers import CONFIG_MAPPING
+
+    from hf_paged.models.generic.support import static_reason
+
+    reason = static_reason(CONFIG_MAPPING[model_type]())
+    assert reason is not None and why in reason.detail, reason
