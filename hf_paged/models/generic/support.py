@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import sys
 
 from hf_paged.models.protocol import UnsupportedModelError
@@ -55,6 +54,16 @@ def resolve_hf_class(hf_config):
     return getattr(transformers, name)
 
 
+# vision-language families whose stock merge (image features into placeholder runs, in
+# ``masked_scatter`` order) and positions the paged path reproduces, each checked token for token
+# against stock (tests/integration/multimodal); any other family runs stock by name until it is
+# checked the same way
+VERIFIED_IMAGE_TEXT = frozenset({
+    "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3",
+})  # fmt: skip
+
+
 def image_text_class(hf_config):
     """The transformers ``*ForConditionalGeneration`` class of a vision-language config
     (``AutoModelForImageTextToText``'s), or None. The generic path builds the whole model and
@@ -76,41 +85,29 @@ def image_text_class(hf_config):
     return cls if text is not hf_config else None  # a VLM has a text config of its own
 
 
-# how a modeling module says that its decoder's mask is not causal over image tokens (an image's
-# tokens see each other both ways: Gemma 3's ``token_type_ids``, PaliGemma's prefix, Molmo 2):
-# it ORs a mask function into the causal mask, or turns flash attention off for that mask
-_BIDIRECTIONAL_MASK = re.compile(
-    r"or_mask_function|_supports_flash_attn = False\s*#[^\n]*bidirectional"
-)
-
-
-# vision-language families whose stock merge (image features into placeholder runs, in
-# ``masked_scatter`` order) and positions the paged path reproduces, each checked token for token
-# against stock (tests/integration/multimodal); any other family runs stock by name until it is
-# checked the same way
-VERIFIED_IMAGE_TEXT = frozenset({
-    "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-})  # fmt: skip
-
-
-@functools.cache
-def bidirectional_images(cls) -> bool:
-    """Stock's decoder mask of the vision-language class ``cls`` lets image tokens attend both
-    ways (judged from its modeling module's source)."""
-    try:
-        source = inspect.getsource(sys.modules[cls.__module__])
-    except (OSError, TypeError, KeyError):
-        return False
-    return _BIDIRECTIONAL_MASK.search(source) is not None
+# vision-language families whose decoder attention is not causal over the image tokens: stock
+# lets an image's tokens see each other both ways (per ``token_type_ids``)
+_BIDIRECTIONAL_IMAGES = {"gemma3": "Gemma 3", "paligemma": "PaliGemma"}
 
 
 def static_reason(hf_config) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
     or None. What depends on the engine's ``max_model_len`` (``length_reason``) is checked when
     the model is built."""
-    why = _static_why(hf_config)
+    why = _static_why(hf_config) or _unverified_image_text(hf_config)
     return None if why is None else Refusal("architecture", why)
+
+
+def _unverified_image_text(hf_config) -> str | None:
+    """Why a vision-language family the paged path has not been checked on runs stock."""
+    cls = image_text_class(hf_config)
+    model_type = getattr(hf_config, "model_type", None)
+    if cls is None or model_type in VERIFIED_IMAGE_TEXT:
+        return None
+    return (
+        f"{cls.__name__}: the paged path has not been checked against stock for the "
+        f"{model_type!r} vision-language family (served: {sorted(VERIFIED_IMAGE_TEXT)})"
+    )
 
 
 def _static_why(hf_config) -> str | None:
@@ -140,16 +137,11 @@ def _static_why(hf_config) -> str | None:
     vlm = image_text_class(hf_config) is cls
     if text is not hf_config and text.model_type != hf_config.model_type and not vlm:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
-    model_type = getattr(hf_config, "model_type", None)
-    if vlm and model_type not in VERIFIED_IMAGE_TEXT and not bidirectional_images(cls):
+    family = _BIDIRECTIONAL_IMAGES.get(getattr(hf_config, "model_type", None))
+    if vlm and family is not None:
         return (
-            f"{name}: the paged path has not been checked against stock for the "
-            f"{model_type!r} vision-language family (served: {sorted(VERIFIED_IMAGE_TEXT)})"
-        )
-    if vlm and bidirectional_images(cls):
-        return (
-            f"{name}: its image tokens attend bidirectionally (stock's mask over the image is "
-            "not causal), which the paged attention does not run yet"
+            f"{name}: {family}'s image tokens attend bidirectionally within their image, which "
+            "the paged attention does not run yet"
         )
     adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
