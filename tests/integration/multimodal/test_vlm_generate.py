@@ -5,24 +5,19 @@ For each served family (tiny fp32 models from each family's config, pixel inputs
 placeholder runs expanded by hand), all token-identical to stock greedy on each request alone:
 one left-padded batch of requests with different images and text lengths; each request alone,
 one after another on one engine (the same ids with another image differ exactly as stock does);
-an engine whose prefill chunks are smaller than one image (chunks split images). Gemma 3 runs
-stock under a named fallback until its bidirectional image attention is served."""
+an engine whose prefill chunks are smaller than one image (chunks split images). Gemma 3, whose
+image tokens attend bidirectionally, has its own module (test_vlm_gemma3.py)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
-from hf_paged.testing.parity import fallback_warnings
 from hf_paged.testing.vlm import (
     CRAMPED,
     ENGINE,
     FAMILIES,
-    batch,
     build_tiny_vlm,
     expand,
     image,
@@ -73,20 +68,6 @@ def test_prefill_chunks_smaller_than_an_image(vlm):
     model, rows, stock = vlm
     assert min(p.num_tokens for r in rows for p in r if hasattr(p, "num_tokens")) > 3
     assert paged(model, rows, CRAMPED) == stock
-
-
-def test_gemma3_runs_stock_by_name():
-    model = build_tiny_vlm("gemma3")
-    rows = [[[5, 6], image(model, 1), [7]], [[8], image(model, 2), [9, 10]]]
-    kw = batch(model, rows)
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        out = model.generate(**kw, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                             backend="paged", paged_config=ENGINE)  # fmt: skip
-    msgs = fallback_warnings(records)
-    assert len(msgs) == 1 and "bidirectionally" in msgs[0]
-    ref = model.generate(**kw, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    assert torch.equal(out, ref)
 
 
 def test_preempted_requests_recompute_their_images(vlm):
