@@ -54,6 +54,16 @@ def resolve_hf_class(hf_config):
     return getattr(transformers, name)
 
 
+# vision-language families whose stock merge (image features into placeholder runs, in
+# ``masked_scatter`` order) and positions the paged path reproduces, each checked token for token
+# against stock (tests/integration/multimodal); any other family runs stock by name until it is
+# checked the same way
+VERIFIED_IMAGE_TEXT = frozenset({
+    "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3",
+})  # fmt: skip
+
+
 def image_text_class(hf_config):
     """The transformers ``*ForConditionalGeneration`` class of a vision-language config
     (``AutoModelForImageTextToText``'s), or None. The generic path builds the whole model and
@@ -84,8 +94,20 @@ def static_reason(hf_config) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
     or None. What depends on the engine's ``max_model_len`` (``length_reason``) is checked when
     the model is built."""
-    why = _static_why(hf_config)
+    why = _static_why(hf_config) or _unverified_image_text(hf_config)
     return None if why is None else Refusal("architecture", why)
+
+
+def _unverified_image_text(hf_config) -> str | None:
+    """Why a vision-language family the paged path has not been checked on runs stock."""
+    cls = image_text_class(hf_config)
+    model_type = getattr(hf_config, "model_type", None)
+    if cls is None or model_type in VERIFIED_IMAGE_TEXT:
+        return None
+    return (
+        f"{cls.__name__}: the paged path has not been checked against stock for the "
+        f"{model_type!r} vision-language family (served: {sorted(VERIFIED_IMAGE_TEXT)})"
+    )
 
 
 def _static_why(hf_config) -> str | None:
