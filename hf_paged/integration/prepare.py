@@ -10,6 +10,7 @@ the engine is touched. No engine here: ``plan.py`` turns a prepared call into en
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from hf_paged.engine.core.prompt_embeds import PromptEmbeds
 from hf_paged.integration.fallback import PagedFallback
-from hf_paged.integration.prompt_rows import prompt_rows
 
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 # beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
@@ -152,7 +153,7 @@ def prepare_call(
         tokenizer=tokenizer,
     )
     keep = mask.bool()
-    rows = prompt_rows(input_ids, keep, expanded.get("inputs_embeds"))
+    prompts, rows = _prompt_rows(input_ids, keep, expanded.get("inputs_embeds"))
     # transformers' own max-length / EOS / stop-string criteria are planned natively
     user_criteria = any(type(c) not in _STOCK_CRITERIA for c in stopping_criteria or ())
     wants_scores = bool(gen.return_dict_in_generate and (gen.output_scores or gen.output_logits))
@@ -160,7 +161,7 @@ def prepare_call(
     pad = gen._pad_token_tensor
     return PreparedCall(
         input_ids=input_ids,
-        prompts=rows.prompts,
+        prompts=prompts,
         generation_config=gen,
         processors=processors,
         criteria=criteria,
@@ -179,7 +180,7 @@ def prepare_call(
         mm_inputs=mm_inputs,
         mm_input_ids=inputs_tensor if mm_inputs else None,
         mm_attention_mask=input_mask if mm_inputs else None,
-        prompt_embeds=rows.prompt_embeds,
+        prompt_embeds=rows,
         from_inputs_embeds=embeds is not None,
     )
 
@@ -245,6 +246,32 @@ def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | No
     if video:
         raise PagedFallback("video_inputs", f"video inputs {video} are not served paged yet")
     return found or None
+
+
+_calls = itertools.count()  # numbers the inputs_embeds calls: each row's prefix-cache key
+_PLACEHOLDER = 0  # an id every vocabulary has; never embedded (its row replaces it)
+
+
+def _prompt_rows(input_ids, keep, embeds) -> tuple[list[list[int]], list | None]:
+    """Each row's engine prompt, and its ``PromptEmbeds`` with ``inputs_embeds``.
+
+    ``input_ids`` ``[B, L]`` (``[B, 0]`` with embeddings alone), ``keep`` ``[B, L]`` its attended
+    positions, ``embeds`` ``[B, L, hidden]`` or None. Stock prefills the embeddings and decodes
+    from ids; the engine does the same with each row's attended rows as its prompt's
+    embeddings. The ids under them are the caller's ``input_ids`` when passed with the
+    embeddings, else placeholders no processor sees (stock's loop holds ``[B, 0]`` ids). Each
+    row's key is its own (the call's number, the row): the returned cache's second pass over the
+    same rows finds their KV in the prefix cache, and no other call shares it.
+    """
+    if embeds is None:
+        return [row[k].tolist() for row, k in zip(input_ids, keep, strict=True)], None
+    with_ids = input_ids.shape[1] == embeds.shape[1]
+    call = next(_calls)
+    prompts, rows = [], []
+    for i, k in enumerate(keep):
+        prompts.append(input_ids[i][k].tolist() if with_ids else [_PLACEHOLDER] * int(k.sum()))
+        rows.append(PromptEmbeds.dense(embeds[i][k], key=("inputs_embeds", call, i)))
+    return prompts, rows
 
 
 def _check_generation_config(gen, mode) -> None:
