@@ -148,3 +148,22 @@ def _copy(cache: DynamicCache) -> DynamicCache:
     import copy
 
     return copy.deepcopy(cache)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_vlm_call_returns_stocks_cache(family, refusals):
+    """Image rows reach the returned cache too (Qwen2-VL: M-RoPE positions past the prompt)."""
+    from hf_paged.integration import dispatch
+    from hf_paged.testing.vlm import ENGINE, PAD, batch, build_tiny_vlm, image
+
+    model = build_tiny_vlm(family)
+    dispatch.configure(model, **ENGINE)
+    try:
+        kw = batch(model, [[[5, 6], image(model, 0), [7]], [[9], image(model, 1), [8, 3, 4]]])
+        stock, paged = _both(model, **kw, pad_token_id=PAD)
+        assert refusals == []
+        assert torch.equal(paged.sequences, stock.sequences)
+        length = int(stock.cache.get_seq_length())
+        assert_same_cache(stock.cache, paged.cache, grown_mask(kw["attention_mask"], length, 2))
+    finally:
+        dispatch.release(model)

@@ -306,13 +306,27 @@ def _rows_kv(
             for j in range(len(parts[0]))]  # fmt: skip
 
 
+def _grown(pe, length: int):
+    """``pe`` for a prompt grown to ``length`` tokens by generated ones: M-RoPE positions
+    ``[3, L]`` continue as the engine runs generated tokens (``p + position_delta``); the ranges
+    and their keys are the same (their KV is found in the prefix cache)."""
+    if pe is None or pe.positions is None or pe.positions.shape[1] >= length:
+        return pe
+    pos = pe.positions  # [3, L]
+    tail = torch.arange(pos.shape[1], length, dtype=pos.dtype, device=pos.device)
+    tail = (tail + pe.position_delta).expand(3, -1)
+    return dataclasses.replace(pe, positions=torch.cat([pos, tail], dim=1))
+
+
 def _group_kv(engine, rows: list[tuple[list[int], object]]):
     if not rows:
         return None
     params = SamplingParams(temperature=0.0, max_tokens=1)
     with engine.request_group() as group:
         rids = [
-            group.add(EngineRequest(r, params, external_sampling=True, prompt_embeds=pe))
+            group.add(
+                EngineRequest(r, params, external_sampling=True, prompt_embeds=_grown(pe, len(r)))
+            )
             for r, pe in rows
         ]
         group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r, _ in rows) + 16)
