@@ -48,7 +48,8 @@ PROBE_ELEMENTS = 4  # per parameter: its first, last and two between
 
 _watches: weakref.WeakSet[WeightWatch] = weakref.WeakSet()
 _hook_lock = threading.Lock()
-_hook_handle = None
+_hook_handle = None  # torch's handle of the step hook, held while a watch lives
+_live = 0  # watches alive: the hook is removed with the last one (the host as it was found)
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
@@ -61,12 +62,32 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _install_hook() -> None:
-    global _hook_handle
+    global _hook_handle, _live
     with _hook_lock:
+        _live += 1
         if _hook_handle is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             _hook_handle = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def _release_hook() -> None:
+    global _hook_handle, _live
+    with _hook_lock:
+        _live -= 1
+        if _live == 0 and _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
+
+
+def hook_installed() -> bool:
+    """The optimizer step hook is registered (while any watch lives)."""
+    return _hook_handle is not None
+
+
+def live_watches() -> int:
+    """Watches alive in this process (each follows one model for its engine)."""
+    return _live
 
 
 def _probe_index(p: torch.Tensor) -> torch.Tensor:
@@ -102,6 +123,7 @@ class WeightWatch:
         self._probe: torch.Tensor | None = None
         self.synced()
         _watches.add(self)
+        weakref.finalize(self, _release_hook)
 
     @staticmethod
     def layout_key(model: nn.Module) -> tuple:

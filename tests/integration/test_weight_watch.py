@@ -12,6 +12,7 @@ replaces a parameter rebuilds the engine, and is still right.
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -196,6 +197,7 @@ def test_watch_names_what_changed_and_nothing_else():
     """The watch alone: nothing changed -> nothing named; a fused step names the stepped
     parameters only (the hook); ``.data`` writes are named by the probe; a LoRA factor names
     the merged weight it feeds; a replaced parameter is a layout change."""
+    from hf_paged.integration import weight_watch
     from hf_paged.integration.weight_watch import WeightWatch
 
     model = build_hf_model("llama", seed=0)
@@ -211,6 +213,12 @@ def test_watch_names_what_changed_and_nothing_else():
     assert watch.changed() == {"model.norm.weight"}
     model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
     assert watch.layout_changed(model)
+    assert weight_watch.hook_installed()
+    live = weight_watch.live_watches()
+    del watch
+    gc.collect()
+    assert weight_watch.live_watches() == live - 1
+    assert weight_watch.hook_installed() == (live > 1)  # removed with the last watch
 
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(build_hf_model("llama", seed=0),
