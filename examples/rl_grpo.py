@@ -11,7 +11,9 @@ Generation is greedy here so that the paged and stock runs can be compared token
 sampled rollouts are just as current, but draw other samples than stock (docs/rl.md says why).
 
 A tiny random model and a character tokenizer are built locally (nothing is downloaded), so the
-completions are gibberish. ``--out FILE`` writes each step's completions as JSON lines.
+completions are gibberish. ``--lora`` trains a LoRA adapter instead of the whole model (TRL's
+``peft_config``): the engine serves the adapter merged, refreshed after each step. ``--out FILE``
+writes each step's completions as JSON lines.
 """
 
 import argparse
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None, help="write each step's completions here")
     parser.add_argument("--max-completion-length", type=int, default=None)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (needs peft)")
     args = parser.parse_args()
 
     from datasets import Dataset
@@ -57,9 +60,13 @@ def main() -> None:
         rollouts.append(list(completions))
         return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
 
-    extra = {}
+    extra, peft_config = {}, None
     if args.max_completion_length is not None:
         extra["max_completion_length"] = args.max_completion_length
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     config = GRPOConfig(
         output_dir=os.path.join(workdir, "out"),
         use_cpu=True,
@@ -75,6 +82,7 @@ def main() -> None:
         args=config,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
     trainer.train()
     for step, texts in enumerate(rollouts):

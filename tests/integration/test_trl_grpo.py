@@ -2,7 +2,8 @@
 greedy ``generation_kwargs``, fp32, completions of at most 64 tokens to keep it short): every rollout runs on the paged engine (``--report``), each
 step's rollouts equal stock's run of the same script, and one engine serves all five steps (one
 start, so one KV cache allocation), its weights refreshed in place after each optimizer step.
-The two runs are fresh processes started together."""
+The two runs are fresh processes started together. Also with ``--lora`` (TRL's ``peft_config``:
+the adapter trained, the engine serving it merged), for 2 steps of 32 tokens."""
 
 from __future__ import annotations
 
@@ -15,19 +16,25 @@ from tests.entrypoints.cli.procs import finish, start_python
 
 pytest.importorskip("trl")
 
-STEPS = 5
-ARGS = ["--steps", str(STEPS), "--max-completion-length", "64"]
+RUNS = {  # name -> (steps, the example's arguments)
+    "full": (5, ["--steps", "5", "--max-completion-length", "64"]),
+    "lora": (2, ["--steps", "2", "--max-completion-length", "32", "--lora"]),
+}
 
 
-def test_grpo_rollouts_run_paged_and_equal_stock(tmp_path):
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_grpo_rollouts_run_paged_and_equal_stock(tmp_path, run):
+    if run == "lora":
+        pytest.importorskip("peft")
+    steps, args = RUNS[run]
     script = os.path.join("examples", "rl_grpo.py")
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     outs = {kind: str(tmp_path / f"{kind}.jsonl") for kind in ("paged", "stock")}
     procs = {
         "paged": start_python(["-m", "hf_paged.entrypoints.cli", "run", "--report", script,
-                               *ARGS, "--out", outs["paged"]], env),
+                               *args, "--out", outs["paged"]], env),
         "stock": start_python(["-m", "hf_paged.entrypoints.cli", "run", "--backend", "hf",
-                               script, *ARGS, "--out", outs["stock"]], env),
+                               script, *args, "--out", outs["stock"]], env),
     }  # fmt: skip
     try:
         done = {kind: finish(p, timeout=600) for kind, p in procs.items()}
@@ -39,11 +46,11 @@ def test_grpo_rollouts_run_paged_and_equal_stock(tmp_path):
     for kind, (code, _, err) in done.items():
         assert code == 0, f"{kind} exited with {code}:\n{err[-3000:]}"
     err = done["paged"][2]
-    assert f"served by the paged engine: {STEPS} generate call(s)" in err, err[-3000:]
+    assert f"served by the paged engine: {steps} generate call(s)" in err, err[-3000:]
     assert "PagedFallbackWarning" not in err
     assert err.count("starting an engine") == 1, err[-3000:]  # no rebuild, no new KV cache
-    assert err.count("changed weights refreshed in the engine") == STEPS - 1
+    assert err.count("changed weights refreshed in the engine") == steps - 1
     paged, stock = ([json.loads(line) for line in open(outs[k])] for k in ("paged", "stock"))
-    assert len(paged) == STEPS and all(len(step) == 8 for step in paged)
+    assert len(paged) == steps and all(len(step) == 8 for step in paged)
     for step, (p, s) in enumerate(zip(paged, stock, strict=True)):
         assert p == s, f"step {step}"
