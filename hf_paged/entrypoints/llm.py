@@ -28,7 +28,7 @@ class LLM:
     An in-memory model's weights are followed: values changed in place later (any optimizer
     step, ``load_state_dict``, ``copy_``) are copied into the engine's own tensors by the next
     ``generate``; a replaced parameter or a switched PEFT adapter rebuilds the engine first
-    (``integration/weight_watch.py``). Calls from several threads run one after another.
+    (``models/weight_watch.py``). Calls from several threads run one after another.
 
     Example:
         >>> with LLM("path/to/ckpt", max_num_seqs=64) as llm:

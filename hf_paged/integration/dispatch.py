@@ -15,7 +15,8 @@ generation module is imported: see ``hooks.py``). The wrapper pops two keywords 
 One engine per model object (``engine_owner.owner_of``), built on first use, reused across calls,
 rebuilt when the call's engine config differs, a parameter was replaced or the PEFT adapters
 changed; weights changed in place (any optimizer, ``load_state_dict``, ``copy_``) are copied into
-the engine before the next call without a rebuild (``weight_watch.py`` says how change is seen).
+the engine before the next call without a rebuild (``models/weight_watch.py`` says how change is
+seen).
 
 Every stock call made here (``backend="hf"``, no switch, a named fallback) first gives the model's
 CUDA engine back (``engine_owner.give_back_for_stock``: its KV cache and graphs are freed, the

@@ -4,8 +4,8 @@ Every front end reaches its engine through an owner: the ``generate`` dispatcher
 HF model object, hung off the model), ``PagedModelForCausalLM`` (an owner of the engine it was
 opened with) and ``LLM`` (an owner of the engine it builds). The owner builds the engine on first
 use and rebuilds it when the requested ``EngineConfig`` differs from the built one. Before every
-call it asks the model's ``WeightWatch`` (``weight_watch.py``) what changed since the engine read
-the weights: values changed in place (any optimizer, ``load_state_dict``, ``copy_``) are copied
+call it asks the model's ``WeightWatch`` (``models/weight_watch.py``) what changed since the
+engine read the weights: values changed in place (any optimizer, ``load_state_dict``, ``copy_``) are copied
 again into the engine's own tensors (``LLMEngine.refresh_weights``: no rebuild, the KV cache
 stays, the prefix cache is dropped); a replaced parameter or a new adapter state rebuilds it
 (its shared tensors are the old storage), as does an engine that can't refresh. ``hold`` gives the
@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator
 
 from hf_paged.config import EngineConfig
 from hf_paged.integration.fallback import PagedFallback
-from hf_paged.integration.weight_watch import WeightWatch
 from hf_paged.models import peft
+from hf_paged.models.weight_watch import WeightWatch
 
 _OWNER_ATTR = "_hf_paged_engine_owner"
 _lock = threading.Lock()

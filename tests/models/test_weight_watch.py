@@ -68,6 +68,11 @@ def _assert_paged_is_stock(model, before=None) -> None:
         assert kv.nbytes() == before[1].nbytes()
 
 
+@pytest.fixture(autouse=True)
+def _dispatch(one_thread, clean_dispatch):
+    """The dispatcher installed, switches and fallback warnings reset (tests/conftest.py)."""
+
+
 @pytest.fixture
 def llama():
     model = build_hf_model("llama", seed=0)
@@ -197,8 +202,8 @@ def test_watch_names_what_changed_and_nothing_else():
     """The watch alone: nothing changed -> nothing named; a fused step names the stepped
     parameters only (the hook); ``.data`` writes are named by the probe; a LoRA factor names
     the merged weight it feeds; a replaced parameter is a layout change."""
-    from hf_paged.integration import weight_watch
-    from hf_paged.integration.weight_watch import WeightWatch
+    from hf_paged.models import weight_watch
+    from hf_paged.models.weight_watch import WeightWatch
 
     model = build_hf_model("llama", seed=0)
     watch = WeightWatch(model)
