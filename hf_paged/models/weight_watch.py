@@ -3,7 +3,8 @@
 An engine built from an in-memory HF model shares the model's tensors where the layouts match,
 and holds copies where they don't: fused ``qkv_proj`` / ``gate_up_proj``, weights converted to
 another dtype, LoRA merged into a base weight, a generic path's fused group. No copy may outlive
-a change to its source, so before every paged call the owner asks a ``WeightWatch``:
+a change to its source, so before every paged call the engine's owner
+(``integration/engine_owner.py``) asks a ``WeightWatch``:
 
 * ``layout_changed``: a parameter was replaced (another storage, shape, dtype or device), added
   or removed, or the PEFT adapter state moved (active adapter, enabled, merged, scaling): the
@@ -29,9 +30,13 @@ Change is detected three ways, none trusted alone:
    ``.data`` that leaves every probed element alone is not seen: ``hf_paged.release(model)``
    after it.
 
-Costs per call: one pass over the parameters' attributes (as the layout key always did) and
-one gather of ``PROBE_ELEMENTS`` elements per parameter; per optimizer step, one dictionary
-lookup per parameter of its groups.
+Costs per call: one pass over the parameters' attributes (the layout key) and one gather of
+``PROBE_ELEMENTS`` elements per parameter (about 6 ms for a 135M model's 272 parameters on a
+loaded CPU); per optimizer step, one dictionary lookup per parameter of its groups. The hook is
+registered with the first watch and removed with the last.
+
+An engine built from a checkpoint directory (a tensor-parallel one, each rank holding its shard)
+has no model to watch: ``LLM.update_weights`` sends it new weights, every rank copying its part.
 """
 
 from __future__ import annotations
