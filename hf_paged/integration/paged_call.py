@@ -10,7 +10,12 @@ errors and the processors it builds are stock's by construction; then it runs on
 * ``External`` (``external.py``): stock ``_sample``'s loop body on the engine's logits.
 * ``Beams`` (``beam_search.py``): stock ``_beam_search``'s loop body on the engine's forked beams.
 
-Anything none of them can reproduce raises ``PagedFallback`` before a request is queued.
+Around each way, the cache stock returns and takes (``contract/cache.py``): a cache passed in is
+checked against the engine's KV first, and stock's cache object is filled from the engine's KV
+blocks after the run, when the output returns it or the caller passed it.
+
+Anything none of them can reproduce raises ``PagedFallback`` before the call's requests are
+queued.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _expected_reasons(model) -> list[str]:
 
 
 def _both(model, **kw):
-    kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **kw)
+    kw = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, **kw}
     return model.generate(**kw), model.generate(**kw, backend="paged")
 
 
@@ -96,6 +96,22 @@ def test_multi_turn_chat_feeding_the_cache_back(family_model, refusals):
         user = torch.tensor([[t % vocab for t in make_prompts([3], seed=10 + turn)[0]]])
         seqs = {side: torch.cat([out.sequences, user], 1) for side, out in outs.items()}
     assert refusals == []
+
+
+@pytest.mark.parametrize("scores", [False, True], ids=["native", "external"])
+def test_a_row_that_stops_early_holds_stocks_pad_tokens(family_models, refusals, scores):
+    """Stock feeds a finished row pad tokens until the batch ends: its cache holds their KV."""
+    model = family_models["llama"]
+    ids, mask = _batch(model, (4, 9))
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    eos = int(ref[0, ids.shape[1] + 2])  # row 0 stops after its third token
+    stock, paged = _both(model, input_ids=ids, attention_mask=mask, eos_token_id=eos,
+                         pad_token_id=0, max_new_tokens=8, output_scores=scores)  # fmt: skip
+    assert refusals == []
+    assert torch.equal(paged.sequences, stock.sequences)
+    assert (stock.sequences[0, -2:] == 0).all()  # row 0 ended: pads to the end
+    length = stock.sequences.shape[1] - 1
+    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, 2))
 
 
 def test_beams_return_stocks_reordered_cache(family_models, refusals):
