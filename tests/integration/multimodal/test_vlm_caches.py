@@ -101,7 +101,7 @@ def test_calls_admitted_together_encode_in_one_batch(counted):
     seen.clear()
     got = encode_calls(model, mm, cache)
     assert seen == [3]  # a, b, c once each, in one call of the tower
-    for kw, rows, enc, extra in zip(kws, calls, got, mm):
+    for kw, enc, extra in zip(kws, got, mm):
         embeds = prompt_embeds(model, kw["input_ids"], kw["attention_mask"], extra, cache, enc)
         alone = prompt_embeds(model, kw["input_ids"], kw["attention_mask"], extra)
         for e, ref in zip(embeds, alone):
