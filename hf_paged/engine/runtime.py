@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +45,26 @@ class RuntimeInfo:
     @property
     def mrope(self) -> bool:
         """The decoder's rotary takes ``[3, T]`` positions (Qwen's M-RoPE)."""
-        return mrope_section(self.hf_config) is not None
+        return takes_mrope(self.hf_config)
 
 
-def mrope_section(hf_config) -> list[int] | None:
-    """The M-RoPE section sizes of a config's text decoder (Qwen2/2.5/3-VL), or None."""
+def takes_mrope(hf_config) -> bool:
+    """A config's decoder rotates by ``[3, T]`` positions (Qwen2/2.5/3/3.5-VL): its rope
+    parameters name M-RoPE sections, or its vision-language class computes them with stock's
+    ``get_rope_index`` (whose rotary falls back to default sections when the config has none)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     for name in ("rope_parameters", "rope_scaling"):
         rope = getattr(text, name, None)
         if isinstance(rope, dict) and rope.get("mrope_section"):
-            return list(rope["mrope_section"])
-    return None
+            return True
+    from hf_paged.models.generic.support import image_text_class
+
+    cls = image_text_class(hf_config)
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    return module is not None and any(
+        isinstance(v, type) and callable(getattr(v, "get_rope_index", None))
+        for v in vars(module).values()
+    )
 
 
 def _as_ids(x) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.testing.hybrid_configs import HYBRID_TINY
 from hf_paged.testing.models import randomize_
 
 IMAGE_TOKEN = 150  # placeholder id of every tiny family; text ids stay below it
@@ -62,6 +63,12 @@ FAMILIES: dict[str, tuple[dict, dict, dict]] = {
     "qwen3_vl": ({**_TEXT, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
                  dict(_QWEN_VISION, hidden_size=32, out_hidden_size=64, intermediate_size=64,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 1]), _QWEN_IDS),
+    # a hybrid decoder (Gated DeltaNet and full attention layers) with M-RoPE over half the dims
+    "qwen3_5": ({**_TEXT, **HYBRID_TINY["qwen3_5_text"],
+                 "rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+                dict(_QWEN_VISION, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                     num_position_embeddings=64), _QWEN_IDS),
 }  # fmt: skip
 
 

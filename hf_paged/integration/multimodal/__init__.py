@@ -30,14 +30,19 @@ Families whose image tokens attend bidirectionally (Gemma 3, PaliGemma) are refu
 
 Interface for front ends (pipeline, lm-eval, ``LLM``): ``multimodal_keys(model)`` names the
 keywords a call may carry, and ``prompt_embeds(model, input_ids, attention_mask, mm_inputs,
-encoder_cache)`` returns one ``PromptEmbeds`` (or None) per row of ``input_ids``.
+encoder_cache)`` returns one ``PromptEmbeds`` (or None) per row of ``input_ids``. A front end that
+admits several calls together encodes all their images in one stock batch with
+``encode_calls(model, [mm_inputs, ...], encoder_cache)`` and passes each call's entry as
+``prompt_embeds(..., encoded=)``; a bad call's entry is its exception, raised for that call only.
+``generate`` itself encodes the images of one call in one batch.
 """
 
 from hf_paged.integration.multimodal.prompt_inputs import (
     VIDEO_KEYS,
+    encode_calls,
     is_multimodal,
     multimodal_keys,
     prompt_embeds,
 )
 
-__all__ = ["VIDEO_KEYS", "is_multimodal", "multimodal_keys", "prompt_embeds"]
+__all__ = ["VIDEO_KEYS", "encode_calls", "is_multimodal", "multimodal_keys", "prompt_embeds"]

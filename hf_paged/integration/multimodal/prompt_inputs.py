@@ -56,16 +56,51 @@ def image_token_id(model) -> int:
     return int(tid)
 
 
-@torch.no_grad()
 def encode_images(model, mm_inputs: dict, cache: EncoderCache | None):
-    """``(images, features)`` of the call's images in order: each image's ``ImageInput`` and
-    its ``ImageFeatures``, from ``cache`` or from one stock ``get_image_features`` batch over
-    the distinct images not in it (then kept in ``cache``)."""
+    """``(images, features)`` of one call's images in order (``encode_calls`` of one call);
+    raises what splitting or the stock tower raises."""
+    got = encode_calls(model, [mm_inputs], cache)[0]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+@torch.no_grad()
+def encode_calls(model, calls: list[dict], cache: EncoderCache | None) -> list:
+    """Each call's ``(images, features)``: every image's ``ImageInput`` and ``ImageFeatures``
+    in the call's order, from ``cache`` or from ONE stock ``get_image_features`` batch over the
+    distinct images of all ``calls`` not in it (then kept in ``cache``). A front end that admits
+    several calls together (a streaming pipeline) encodes their images in one batch this way.
+
+    A call whose inputs are bad gets its exception in its place instead (the others are
+    encoded without it), so one bad call never fails the calls beside it.
+    """
     tower = tower_of(model)
-    images = tower.split({k: v for k, v in mm_inputs.items() if k in tower.input_names})
+    split: list = []
+    for mm in calls:
+        try:
+            split.append(tower.split({k: v for k, v in mm.items() if k in tower.input_names}))
+        except Exception as e:  # noqa: BLE001  handed back in the call's place
+            split.append(e)
+    found = _features(tower, [s for s in split if not isinstance(s, Exception)], cache)
+    if isinstance(found, Exception):  # some call's tensors broke the batch: each call alone
+        return [_one_call(tower, s, cache) for s in split]
+    return [s if isinstance(s, Exception) else (s, [found[i.key] for i in s]) for s in split]
+
+
+def _one_call(tower, images, cache):
+    if isinstance(images, Exception):
+        return images
+    found = _features(tower, [images], cache)
+    return found if isinstance(found, Exception) else (images, [found[i.key] for i in images])
+
+
+def _features(tower, calls: list[list], cache) -> dict | Exception:
+    """Image key -> features for every image of ``calls``: hits from ``cache``, the distinct
+    misses encoded in one batch and kept; the exception if the tower raised."""
     found: dict[str, ImageFeatures] = {}
     todo: dict = {}
-    for img in images:
+    for img in (img for images in calls for img in images):
         if img.key in found or img.key in todo:
             continue
         hit = cache.get(img.key) if cache is not None else None
@@ -73,17 +108,22 @@ def encode_images(model, mm_inputs: dict, cache: EncoderCache | None):
             found[img.key] = hit
         else:
             todo[img.key] = img
-    for key, out in zip(todo, tower.encode(list(todo.values())), strict=True):
+    try:
+        encoded = tower.encode(list(todo.values()))
+    except Exception as e:  # noqa: BLE001  the caller decides (stock's own error)
+        return e
+    for key, out in zip(todo, encoded, strict=True):
         found[key] = out
         if cache is not None:
             cache.put(key, out)
-    return images, [found[img.key] for img in images]
+    return found
 
 
 def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mm_inputs: dict,
-                  cache: EncoderCache | None = None) -> list[PromptEmbeds | None]:  # fmt: skip
+                  cache: EncoderCache | None = None, encoded=None) -> list[PromptEmbeds | None]:  # fmt: skip
     """One ``PromptEmbeds`` per row of ``input_ids`` ``[B, L]`` (None for a row that needs
-    none), for the call's multimodal keywords ``mm_inputs``.
+    none), for the call's multimodal keywords ``mm_inputs``. ``encoded``: the call's entry of
+    ``encode_calls`` when the caller encoded several calls together (else encoded here).
 
     Raises:
         ValueError: stock's error for placeholders that do not match the features, and what
@@ -94,6 +134,10 @@ def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         model) else None  # fmt: skip
     if mm_inputs.get("pixel_values") is None:  # no images: plain rows (stock merges nothing)
         images, feats = [], []
+    elif encoded is not None:
+        if isinstance(encoded, Exception):
+            raise encoded
+        images, feats = encoded
     else:
         images, feats = encode_images(model, mm_inputs, cache)
     try:

@@ -60,7 +60,7 @@ def resolve_hf_class(hf_config):
 # checked the same way
 VERIFIED_IMAGE_TEXT = frozenset({
     "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3",
 })  # fmt: skip
 
 

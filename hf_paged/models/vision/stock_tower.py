@@ -187,10 +187,26 @@ class StockVisionTower:
 
     @torch.no_grad()
     def encode(self, images: list[ImageInput]) -> list[ImageFeatures]:
-        """Features of ``images`` from one stock ``get_image_features`` call: per image its rows
-        ``[N, hidden]`` (the rows its N placeholder tokens get) and DeepStack rows."""
-        if not images:
-            return []
+        """Features of ``images``: per image its rows ``[N, hidden]`` (the rows its N placeholder
+        tokens get) and DeepStack rows. One stock ``get_image_features`` call per group of
+        images that batch as the processor would batch them (same options; same shapes, unless
+        the family cuts batch padding off by each image's ``image_sizes``)."""
+        groups: dict = {}
+        for i, img in enumerate(images):
+            groups.setdefault(self._batch_key(img), []).append(i)
+        out: list = [None] * len(images)
+        for idx in groups.values():
+            for i, feats in zip(idx, self._encode_batch([images[i] for i in idx]), strict=True):
+                out[i] = feats
+        return out
+
+    def _batch_key(self, img: ImageInput) -> tuple:
+        options = repr(sorted((k, repr(v)) for k, v in img.options.items()))
+        if self.layout == "grid" or "image_sizes" in img.tensors:
+            return (options,)
+        return (options, tuple((k, tuple(v.shape)) for k, v in sorted(img.tensors.items())))
+
+    def _encode_batch(self, images: list[ImageInput]) -> list[ImageFeatures]:
         kwargs = {**images[0].options, **self._collate([img.tensors for img in images])}
         out = self.encode_fn(**kwargs, return_dict=True)
         pooled = out.pooler_output

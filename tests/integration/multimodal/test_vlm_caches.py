@@ -84,3 +84,30 @@ def test_prefix_cache_keys_images(counted):
     paged(model, [[text, a, [12, 13]]])
     after_same = engine_stats()["prefix_cache_hit_tokens"]
     assert after_same - after_other >= 8 + 4 * ((a.num_tokens + 2) // 4 - 1)
+
+
+def test_calls_admitted_together_encode_in_one_batch(counted):
+    """``encode_calls``: the images of several calls in one stock batch (shared images once); a
+    call with pixels of a wrong shape gets its own error and the others their features."""
+    from hf_paged.engine.core.encoder_cache import EncoderCache
+    from hf_paged.integration.multimodal import encode_calls, prompt_embeds
+
+    model, seen = counted
+    a, b, c = image(model, 41), image(model, 42), image(model, 43)
+    calls = [[[[5], a, [6]]], [[[7], b, [8]], [[9], a, [10]]], [[[11], c, [12]]]]
+    kws = [batch(model, rows) for rows in calls]
+    mm = [{k: v for k, v in kw.items() if k not in ("input_ids", "attention_mask")} for kw in kws]
+    cache = EncoderCache(1024)
+    seen.clear()
+    got = encode_calls(model, mm, cache)
+    assert seen == [3]  # a, b, c once each, in one call of the tower
+    for kw, enc, extra in zip(kws, got, mm):
+        embeds = prompt_embeds(model, kw["input_ids"], kw["attention_mask"], extra, cache, enc)
+        alone = prompt_embeds(model, kw["input_ids"], kw["attention_mask"], extra)
+        for e, ref in zip(embeds, alone):
+            assert torch.equal(e.rows, ref.rows) and e.ranges == ref.ranges
+    bad = dict(mm[2], pixel_values=mm[2]["pixel_values"][..., :-1])  # one value short
+    seen.clear()
+    got = encode_calls(model, [mm[0], bad], EncoderCache(1024))
+    assert isinstance(got[1], Exception) and not isinstance(got[0], Exception)
+    assert torch.equal(got[0][1][0].rows, encode_calls(model, [mm[0]], None)[0][1][0].rows)

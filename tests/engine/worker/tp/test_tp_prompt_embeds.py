@@ -38,3 +38,25 @@ def test_tp2_prompt_embeds_equal_ids(tmp_path):
                     for o in eng.run([EngineRequest(p, PARAMS) for p in prompts])
                 ]
     assert got[2] == got[1] != got["ids"]
+
+
+def test_tp2_vision_language_decoder(tmp_path):
+    """A Qwen3-VL checkpoint over two ranks: image rows, M-RoPE positions and DeepStack rows
+    reach every rank; the tokens are stock's for each request alone."""
+    from hf_paged.integration.multimodal import prompt_embeds
+    from hf_paged.testing.vlm import batch, build_tiny_vlm, image, stock_greedy
+
+    model = build_tiny_vlm("qwen3_vl")
+    model.save_pretrained(tmp_path / "vlm")
+    rows = [[[5, 6, 7], image(model, 1), [8, 9]], [[10], image(model, 2, wide=True), [11, 12]]]
+    kw = batch(model, rows)
+    ids, mask = kw.pop("input_ids"), kw.pop("attention_mask")
+    embeds = prompt_embeds(model, ids, mask, kw)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    cfg = dict(max_model_len=64, kv_block_size=4, num_kv_blocks=64, tensor_parallel_size=2,
+               max_num_batched_tokens=5)  # fmt: skip
+    with LLMEngine(str(tmp_path / "vlm"), cfg) as eng:
+        reqs = [EngineRequest(i[m.bool()].tolist(), params, prompt_embeds=e)
+                for i, m, e in zip(ids, mask, embeds)]  # fmt: skip
+        got = [o.outputs[0].token_ids for o in eng.run(reqs)]
+    assert got == stock_greedy(model, rows, 6)
