@@ -1,6 +1,6 @@
 """hf_paged: a paged-KV engine behind Hugging Face ``generate``.
 
-Public API: ``LLM``, ``SamplingParams``, ``EngineConfig``, ``LLMEngine`` (and the
+Public API: ``LLM`` (with ``LoRARequest``), ``SamplingParams``, ``EngineConfig``, ``LLMEngine`` (and the
 ``EngineRequest`` its ``add_request`` takes), the HF-shaped
 ``AutoPagedModelForCausalLM``, ``paged_generate_map`` (``Dataset.map``), ``shard_generate``
 (torchrun / SLURM slices), and the switches ``set_default_backend``, ``configure``, ``release``,
@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "LLM": ("hf_paged.entrypoints.llm", "LLM"),
     "LLMEngine": ("hf_paged.engine.llm_engine", "LLMEngine"),
     "EngineRequest": ("hf_paged.engine.core.request", "EngineRequest"),
+    "LoRARequest": ("hf_paged.entrypoints.lora_request", "LoRARequest"),
     "EngineConfig": ("hf_paged.config", "EngineConfig"),
     "SamplingParams": ("hf_paged.config", "SamplingParams"),
     "RequestOutput": ("hf_paged.engine.core.outputs", "RequestOutput"),

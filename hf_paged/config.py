@@ -140,6 +140,13 @@ class EngineConfig:
             of 1.0 (values clamped to +-448); attention reads them back in the model dtype.
         encoder_cache_rows: vision-language models: most embedding rows of image features kept
             for reuse (keyed by the image's content hash; least recently used evicted first).
+        enable_lora: build LoRA slots for adapters given per request (``LLM``'s
+            ``lora_request``, ``LLMEngine.add_lora``). An in-memory PEFT model gets them
+            without it (``models/adapters``).
+        max_loras: distinct LoRA adapters in one step (device slots in every adapted layer).
+        max_lora_rank: the slots' rank; an adapter of higher rank is refused, naming it.
+        max_cpu_loras: registered adapters kept on the host (least recently used evicted);
+            None = ``max(max_loras, 16)``.
     """
 
     max_num_seqs: int = 256
@@ -161,6 +168,10 @@ class EngineConfig:
     tp_heartbeat_timeout_s: float | None = 45.0
     kv_cache_dtype: str = "auto"
     encoder_cache_rows: int = 16384
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -204,6 +215,11 @@ class EngineConfig:
             raise _bad("model_impl", self.model_impl, f"one of {list(_MODEL_IMPLS)}")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise _bad("attention_backend", self.attention_backend, "None or a backend name")
+        if not isinstance(self.enable_lora, bool):
+            raise _bad("enable_lora", self.enable_lora, "a bool")
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, allow_none=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | EngineConfig | None = None, **overrides) -> EngineConfig:

@@ -17,6 +17,10 @@ Paused sequences whose blocks waiting ones need are parked. A beam-search reques
 replaces them all at once by forks of them sharing KV blocks. ``ExternalSequences``
 (``core/external_sequences.py``) owns the paused, parked and forked sequences.
 
+LoRA adapters (``models/adapters``): on an engine built with them (``runtime.lora``), ``add_lora``
+registers an adapter and returns its key; a request with ``lora_key`` runs under it, beside
+requests of other adapters and of the base model in the same steps.
+
 Speculative decoding: a request with a ``proposer`` (``spec/proposers.py``) verifies several
 proposed tokens per step in one forward pass and keeps what the model agrees with
 (``spec/spec_decode.py``); its output is what it would be without the proposer.
@@ -100,6 +104,7 @@ class LLMEngine:
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             self.runtime.max_model_len,
+            max_loras=self.runtime.lora.max_loras if self.runtime.lora is not None else None,
         )
         # external seqs whose logits were handed out, waiting for their token; beams
         self.external = ExternalSequences(
@@ -158,6 +163,8 @@ class LLMEngine:
             )
         ids = self.validate_prompt(request.prompt_token_ids)
         ranges = _check_bidirectional_ranges(request.bidirectional_ranges, len(ids))
+        if request.lora_key is not None:
+            self._check_lora_key(request.lora_key)
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
         if request.prompt_embeds is not None:
             check_prompt_embeds(request.prompt_embeds, len(ids), self.hf_config, self.runtime.mrope)
@@ -171,10 +178,43 @@ class LLMEngine:
         for seq in req.seqs:
             seq.prompt_embeds = request.prompt_embeds
             seq.bidirectional_ranges = ranges
+            seq.lora_key = request.lora_key
         self.requests.add(req)  # raises for a request id in use, before anything is queued
         for seq in req.seqs:
             self.scheduler.add(seq)
         return rid
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    @property
+    def lora(self):
+        """The runner's ``LoraManager`` (None: the engine was built without LoRA)."""
+        return getattr(self.executor.runner, "lora", None)
+
+    def add_lora(self, adapter) -> str:
+        """Register a ``LoraAdapter``; returns the key requests pass as ``lora_key``.
+
+        Raises:
+            ValueError: the engine has no LoRA slots, or the adapter does not fit them (named).
+        """
+        if self.lora is None:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r} is not allowed: this engine was built without "
+                "LoRA slots; build it with enable_lora=True"
+            )
+        return self.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (every version); running requests must not use it."""
+        if self.lora is not None:
+            self.lora.remove_name(name)
+
+    def _check_lora_key(self, key) -> None:
+        if self.lora is None or not self.lora.has(key):
+            raise ValueError(
+                f"lora_key={key!r} is not allowed: it is no adapter registered on this engine "
+                "(add_lora returns the key to pass)"
+            )
 
     def abort(self, request_id) -> None:
         """Stop a request now; it is reported finished with reason "abort" by the next step."""
@@ -212,10 +252,12 @@ class LLMEngine:
     def refresh_weights(self, source, names: set[str]) -> int:
         """The in-memory model ``source`` (the one the engine was built from) changed the
         weights ``names``: ``update_weights`` with their current values (a PEFT model's LoRA
-        merged, as at load; ``models.loader.iter_model_weights``)."""
+        merged, as at load, or its base weights when LoRA slots serve the adapters;
+        ``models.loader.iter_model_weights``)."""
         from hf_paged.models.loader import iter_model_weights
 
-        return self.update_weights(iter_model_weights(source, names))
+        slots = self.runtime.lora is not None and self.runtime.lora.from_peft  # LoRA unmerged
+        return self.update_weights(iter_model_weights(source, names, merge_lora=not slots))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

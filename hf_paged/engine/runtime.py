@@ -41,6 +41,7 @@ class RuntimeInfo:
     # the engine's image features by content hash (``core/encoder_cache.py``): the front ends
     # that encode a vision-language model's images for this engine share it; set by LLMEngine
     encoder_cache: object | None = None
+    lora: object | None = None  # ``LoraSpec`` when the engine builds LoRA slots, else None
 
     @property
     def mrope(self) -> bool:
@@ -175,8 +176,10 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     """
     from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
+    from hf_paged.models.adapters import lora_spec
     from hf_paged.models.peft import is_peft_model, unwrap
 
+    lora = lora_spec(model, config)  # before unwrapping: a PeftModel's adapters decide it
     if is_peft_model(model):
         check_servable(model, None)
         model = unwrap(model)
@@ -227,6 +230,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         eos_token_ids=eos,
         model_path=path,
         config=config,
+        lora=lora,
     )
 
 

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from hf_paged.engine.core.request import budget
 from hf_paged.integration import dispatch, servable
 from hf_paged.integration.fallback import PagedFallback
+from hf_paged.integration.paged_call import active_lora_key
 from hf_paged.integration.plan import PlanCache
 from hf_paged.integration.route import Beams, External, Native, route
 
@@ -206,6 +207,9 @@ class PagedGenerateMap:
             return self._generate_padded(prompts)
         # one request per row, seeded as generate() seeds them
         requests = [c.requests[0] for c in calls]
+        key = active_lora_key(self.model, engine)  # a PEFT model's active adapters
+        for r in requests:
+            r.lora_key = key
         total = sum(budget(r.params) for r in requests)
         # disable=None: no bar when stderr is not a terminal, so logs get no cursor-up codes
         # from a bar nested under Dataset.map's own

@@ -14,6 +14,7 @@ from hf_paged.config import EngineConfig, SamplingParams
 from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import EngineRequest, budget, resolve_max_tokens
 from hf_paged.engine.llm_engine import LLMEngine
+from hf_paged.entrypoints.lora_request import LoraResolver
 from hf_paged.integration.engine_owner import EngineOwner
 
 
@@ -28,7 +29,12 @@ class LLM:
     An in-memory model's weights are followed: values changed in place later (any optimizer
     step, ``load_state_dict``, ``copy_``) are copied into the engine's own tensors by the next
     ``generate``; a replaced parameter or a switched PEFT adapter rebuilds the engine first
-    (``models/weight_watch.py``). Calls from several threads run one after another.
+    (``models/weight_watch.py``); plain LoRA adapters are served from slots and read at every
+    call. Calls from several threads run one after another.
+
+    LoRA (``docs/adapters.md``): with ``enable_lora=True``, ``generate(..., lora_request=...)``
+    runs prompts under adapters saved by PEFT (``LoRARequest``, vLLM's shape). An in-memory
+    PEFT model runs its active adapters by default.
 
     Example:
         >>> with LLM("path/to/ckpt", max_num_seqs=64) as llm:
@@ -39,11 +45,14 @@ class LLM:
     def __init__(self, model, tokenizer=None, **engine_kwargs):
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
         self._closed = False
+        self._model = None  # a weak reference to an in-memory model
+        self._loras = LoraResolver()
         if isinstance(model, torch.nn.Module):
             # an in-memory model: its weight changes are followed (fused copies would be
             # stale); once the caller drops the model, the engine keeps what it was built with
             ref = weakref.ref(model)
             self._owner = EngineOwner(lambda cfg: LLMEngine(ref(), cfg, tokenizer=tokenizer), ref)
+            self._model = ref
             self._owner.configure(config)
             self._owner.get()  # built now: errors surface here, not at the first generate
         else:
@@ -88,6 +97,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         proposer=None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order.
 
@@ -100,6 +110,9 @@ class LLM:
             proposer: speculative decoding for every prompt (``hf_paged.engine.spec.proposers``:
                 ``NgramProposer`` or ``DraftModelProposer``); the outputs are what they are
                 without it (greedy: the same tokens; sampling: the same distribution).
+            lora_request: a ``LoRARequest`` for every prompt, or a list with one per prompt
+                (None: the base model); None = the base model, or an in-memory PEFT model's
+                active adapters. Needs ``enable_lora=True`` (a PEFT model has slots already).
 
         Raises:
             ValueError: a bad prompt or a params list of the wrong length. Nothing is queued
@@ -109,7 +122,8 @@ class LLM:
         self._check_open()
         with self._owner.hold() as held:
             held.get()  # rebuilt first when an in-memory model's weights changed
-            return self._generate(prompts, sampling_params, use_tqdm, proposer)
+            return self._generate(prompts, sampling_params, use_tqdm, proposer,
+                                  lora_request=lora_request)  # fmt: skip
 
     def chat(
         self,
@@ -154,7 +168,8 @@ class LLM:
             encoded = [(t, self.engine.validate_prompt(i)) for t, i in zip(texts, ids)]
             return self._generate(texts, sampling_params, use_tqdm, encoded=encoded)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None, encoded=None):
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None, encoded=None,
+                  lora_request=None):  # fmt: skip
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -177,6 +192,8 @@ class LLM:
         requests = [EngineRequest(ids, resolve_max_tokens(sp, len(ids), max_len), text,
                                   proposer=proposer)
                     for (text, ids), sp in zip(encoded or map(self._encode, prompts), params)]  # fmt: skip
+        for r, key in zip(requests, self._lora_keys(lora_request, len(requests)), strict=True):
+            r.lora_key = key
         total = sum(budget(r.params) for r in requests)
         bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
         try:
@@ -184,6 +201,18 @@ class LLM:
         finally:
             bar.n = min(bar.n, total)
             bar.close()
+
+    def _lora_keys(self, lora_request, num_prompts: int) -> list[str | None]:
+        """Per prompt, the engine key of its adapter (``lora_request.py``); an in-memory PEFT
+        model served from slots runs its active adapters when none is given."""
+        model = self._model() if self._model is not None else None
+        lora = self.engine.lora
+        if lora_request is None and model is not None and lora is not None and lora.spec.from_peft:
+            from hf_paged.models.adapters.peft_lora import row_adapters
+
+            adapter = row_adapters(model, 1)[0]
+            return [None if adapter is None else self.engine.add_lora(adapter)] * num_prompts
+        return self._loras.keys_for(self.engine, lora_request, num_prompts)
 
     @property
     def stats(self) -> dict:

@@ -235,10 +235,11 @@ def _run(model, engine, call: PreparedCall, keep_rows: bool = False):
     may_leave = unobserved(call) and not keep_rows
     params = SamplingParams(temperature=0.0, max_tokens=gen.max_length - prompt_len)
     with engine.request_group() as batch:
+        keys = (call.lora_keys or [None] * len(call.prompts))[::k]  # the same for every beam
         rids = [
             batch.add(EngineRequest(p, params, external_sampling=True, beam_search=True,
-                                    prompt_embeds=call.request_embeds(i * k)))
-            for i, p in enumerate(call.prompts[::k])
+                                    prompt_embeds=call.request_embeds(i * k), lora_key=key))
+            for i, (p, key) in enumerate(zip(call.prompts[::k], keys, strict=True))
         ]  # fmt: skip
         live, num_slots = list(range(num_rows)), 1  # rows in the engine; beams per request
         prompt_tokens = sum(len(p) for p in call.prompts)

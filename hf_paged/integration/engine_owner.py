@@ -118,7 +118,9 @@ class EngineOwner:
         self.engine = self._build(want)
         self.builds += 1
         self.built_with = want
-        self._watch = WeightWatch(model) if model is not None else None
+        lora = getattr(getattr(self.engine, "runtime", None), "lora", None)
+        slots = lora is not None and lora.from_peft  # adapters read per call, not watched
+        self._watch = WeightWatch(model, lora_slots=slots) if model is not None else None
         if logger.isEnabledFor(logging.INFO):
             rt = getattr(self.engine, "runtime", None)
             facts = ", ".join(

@@ -34,9 +34,10 @@ def run_external(engine, call):
     params = SamplingParams(temperature=0.0, max_tokens=call.max_new_tokens)
     prompt_tokens = sum(len(p) for p in call.prompts)
     with engine.request_group() as batch:
-        for i, prompt in enumerate(call.prompts):
+        keys = call.lora_keys or [None] * n
+        for i, (prompt, key) in enumerate(zip(call.prompts, keys, strict=True)):
             batch.add(EngineRequest(prompt, params, external_sampling=True,
-                                    prompt_embeds=call.request_embeds(i)))  # fmt: skip
+                                    prompt_embeds=call.request_embeds(i), lora_key=key))  # fmt: skip
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
         for step in range(call.max_new_tokens):

@@ -76,6 +76,9 @@ class PreparedCall:
     # the prompt came as ``inputs_embeds``: ``prompts`` are the caller's ids or placeholders,
     # and ``input_ids`` what stock loops on ([B, 0] without ids)
     from_inputs_embeds: bool = False
+    # per row of ``prompts``: the LoRA adapter key it runs under (None: none); set by the call
+    # once its engine registered the adapters (``paged_call.generate_paged``)
+    lora_keys: list | None = None
 
     def request_embeds(self, i: int):
         """Row ``i``'s prompt embeddings (None for a text-only call or row)."""

@@ -152,8 +152,16 @@ def _iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)  # lazy: the weight_loader reads its shard
 
 
+class BaseWeights:
+    """An in-memory PEFT model as a weight source without its LoRA merged: the base weights
+    under the plain names (the engine serves the adapters from slots, ``models/adapters``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+
 def iter_model_weights(
-    hf_model: nn.Module, names: set[str] | None = None
+    hf_model: nn.Module, names: set[str] | None = None, merge_lora: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, tensor)`` for the weights an in-memory HF model computes with (only
     those in ``names`` when given).
@@ -161,7 +169,8 @@ def iter_model_weights(
     A plain model yields its own parameters (storage shared). A model with PEFT adapters (a
     ``PeftModel``, or adapters injected into the HF model) yields the weights PEFT's forward
     applies under the plain names: LoRA merged into new tensors, the model left unchanged
-    (``hf_paged.models.peft``).
+    (``hf_paged.models.peft``); with ``merge_lora=False`` the base weights alone (the engine
+    serves the LoRA from slots).
 
     Raises:
         ValueError: a weight on the meta device, or adapters the merge can't reproduce.
@@ -169,7 +178,7 @@ def iter_model_weights(
     from hf_paged.models import peft  # imports peft only where the process already has
 
     if peft.is_peft_model(hf_model) or peft.tuner_modules(hf_model):
-        items = peft.merged_weights(hf_model, names)
+        items = peft.merged_weights(hf_model, names) if merge_lora else peft.base_weights(hf_model)
     else:
         items = hf_model.named_parameters()
     unused = _unused_fp8_scales(peft.unwrap(hf_model))
@@ -201,9 +210,12 @@ def load_weights(model: nn.Module, source: str | os.PathLike | nn.Module) -> Non
         FileNotFoundError: no safetensors checkpoint at ``source``.
     """
     router = _Router(model)
-    items = (
-        iter_model_weights(source) if isinstance(source, nn.Module) else _iter_safetensors(source)
-    )
+    if isinstance(source, BaseWeights):
+        items = iter_model_weights(source.model, merge_lora=False)
+    elif isinstance(source, nn.Module):
+        items = iter_model_weights(source)
+    else:
+        items = _iter_safetensors(source)
     with torch.no_grad():
         for hf_name, loaded in items:
             router.load(hf_name, loaded)

@@ -12,10 +12,14 @@ forward would apply, under the plain HF names (``...q_proj.weight``):
   adapters then); one that is disabled (``disable_adapter()``): its base weight;
 * a ``modules_to_save`` copy: the active adapter's copy, or the original when disabled.
 
+When every tuner layer is plain unmerged LoRA on the projections the engine wraps, the engine
+serves the adapters unmerged from LoRA slots instead (``models/adapters``): per-row
+``adapter_names`` included, and adapter changes need no rebuild.
+
 What the merged weights cannot reproduce is a ``Refusal`` (``unsupported_reason``): prompt
 learning (prompt/prefix/p-tuning), other tuner types (IA3, LoKr, OFT ...), LoRA variants (DoRA,
-aLoRA ...), per-row ``adapter_names``, a disabled layer whose adapter is merged (PEFT's forward
-would unmerge it, changing the weights), LoRA bias on a layer without one, and tuner layers on
+aLoRA ...), per-row ``adapter_names`` (unless served from slots), a disabled layer whose
+adapter is merged (PEFT's forward would unmerge it, changing the weights), LoRA bias on a layer without one, and tuner layers on
 tied weights. The dispatcher turns it into a stock fallback; ``LLM`` raises it as a ValueError.
 
 ``adapter_state`` is what the engine's weight watch can't see in the parameters (active adapter,
@@ -103,8 +107,9 @@ def unsupported_reason(model) -> Refusal | None:
     tuners = tuner_modules(model)
     if not tuners:
         return None
+    slots = unmerged_refusal(model, tuners) is None  # per-row adapter_names served from slots
     for name, module in tuners.items():
-        reason = _layer_reason(name, module)
+        reason = _layer_reason(name, module, slots)
         if reason is not None:
             return reason
     return _tied_reason(model, tuners)
@@ -118,7 +123,7 @@ def _prompt_learning() -> Refusal:
     )
 
 
-def _layer_reason(name: str, module: nn.Module) -> Refusal | None:
+def _layer_reason(name: str, module: nn.Module, slots: bool = False) -> Refusal | None:
     _, wrapper, lora = _peft_types()
     if isinstance(module, wrapper):
         if type(module).__name__ != "ModulesToSaveWrapper":
@@ -133,7 +138,7 @@ def _layer_reason(name: str, module: nn.Module) -> Refusal | None:
             f"{name!r} has merged adapters {module.merged_adapters} but adapters are disabled "
             "(PEFT's forward would unmerge them)",
         )
-    if module._forward_pre_hooks or module._forward_hooks:
+    if (module._forward_pre_hooks or module._forward_hooks) and not slots:
         return Refusal("peft_adapter_names", f"forward hooks on {name!r} (per-row adapter_names?)")
     if not isinstance(module, wrapper) and not module.disable_adapters and not module.merged:
         return _lora_variant_reason(name, module)
@@ -185,6 +190,40 @@ def _tied_reason(model: nn.Module, tuners: dict[str, nn.Module]) -> Refusal | No
         if len(names) > 1 and any(_owner(n, tuners)[0] is not None for n in names):
             return Refusal("peft_tied_weights", f"a PEFT layer adapts tied weights {sorted(names)}")
     return None
+
+
+# ---- LoRA served from slots (``models/adapters``) ----------------------------------------
+
+# the projections the engine's LoRA slots wrap (their HF names' last part)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def unmerged_refusal(model, tuners: dict | None = None) -> Refusal | None:
+    """Why the model's adapters can't be served from slots (then they are merged), or None.
+    ``tuners``: ``tuner_modules`` of the model when the caller has them."""
+    tuners = tuner_modules(unwrap(model)) if tuners is None else tuners
+    if not tuners:
+        return Refusal("no_adapters", "the model has no PEFT layers")
+    _, _, lora = _peft_types()
+    for name, m in tuners.items():
+        if type(m) is not lora.Linear:
+            return Refusal("lora_layer", f"{name!r} is a {type(m).__name__}, not a LoRA Linear")
+        if name.rpartition(".")[2] not in LORA_TARGETS:
+            return Refusal("lora_target", f"{name!r} is not a projection the engine wraps")
+        if m.merged:
+            return Refusal("lora_merged", f"{name!r} has merged adapters {m.merged_adapters}")
+        if m.lora_variant or any(m.lora_bias.values()):
+            return Refusal("lora_variant", f"{name!r} has a LoRA variant or a LoRA bias")
+        hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+        if any(not is_adapter_names_hook(h) for h in hooks):
+            return Refusal("lora_hooks", f"forward hooks on {name!r}")
+    return None
+
+
+def is_adapter_names_hook(hook) -> bool:
+    """PEFT's ``adapter_names`` pre-hook (a ``functools.partial`` PEFT installs per call)."""
+    fn = getattr(hook, "func", None)
+    return getattr(fn, "__name__", "") == "_adapter_names_pre_forward_hook"
 
 
 # ---- fingerprint ---------------------------------------------------------------------------
@@ -256,6 +295,21 @@ def served_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
         else:
             out[name] = ()
     return out
+
+
+def base_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` for the base weights of a model whose LoRA layers the engine serves
+    from slots (``models/adapters``): every LoRA layer's base weight as it is, the factors left
+    out; the model's own tensors, nothing copied."""
+    model = unwrap(model)
+    tuners = tuner_modules(model)
+    for name, hf_name, value in _classify(model):
+        if hf_name is None:
+            continue
+        owner, rest = _owner(name, tuners)
+        if owner is not None and rest.startswith(_LORA_BASE):
+            value = model.get_parameter(name)
+        yield hf_name, value() if callable(value) else value
 
 
 def _owner(name: str, tuners: dict[str, nn.Module]) -> tuple[str | None, str]:

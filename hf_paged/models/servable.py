@@ -109,6 +109,9 @@ def hook_refusal(model) -> Refusal | None:
             if refusal is not None:
                 return refusal
         for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            # PEFT's per-row adapter names: ``models/peft.py`` judges them
+            if peft.is_adapter_names_hook(hook):
+                continue
             fn = getattr(hook, "func", hook)  # a functools.partial: the function inside
             if not getattr(fn, "__module__", "").startswith("transformers."):
                 what = getattr(fn, "__qualname__", type(fn).__name__)

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from hf_paged.models import peft
+from hf_paged.models.adapters import peft_lora
 
 PROBE_ELEMENTS = 4  # per parameter: its first, last and two between
 
@@ -110,18 +111,23 @@ class WeightWatch:
     Args:
         model: the HF model (a ``PeftModel``: the model inside it), read at construction as the
             engine was built from it.
+        lora_slots: the engine serves the model's LoRA from slots (``models/adapters``), reading
+            the adapters at every call: their factors and state are not watched, so adding,
+            switching or updating adapters neither rebuilds nor refreshes anything.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, lora_slots: bool = False):
         _install_hook()
         model = peft.unwrap(model)
-        self._params = dict(model.named_parameters())  # tied ones once
+        self._slots = lora_slots
+        self._params = {n: p for n, p in model.named_parameters()  # tied ones once
+                        if not (lora_slots and peft_lora.is_adapter_parameter(n))}  # fmt: skip
         self._served = peft.served_names(model)  # param name -> served names it feeds
         self._by_id = {id(p): n for n, p in self._params.items()}
         self._index = {n: _probe_index(p) for n, p in self._params.items()}
         # probe order: grouped by device (one copy to the host per device)
         self._order = sorted(self._params, key=lambda n: str(self._params[n].device))
-        self._layout = self.layout_key(model)
+        self._layout = self.layout_key(model, lora_slots)
         self._marked: set[str] = set()
         self._mark_lock = threading.Lock()
         self._versions: dict[str, int] = {}
@@ -131,18 +137,22 @@ class WeightWatch:
         weakref.finalize(self, _release_hook)
 
     @staticmethod
-    def layout_key(model: nn.Module) -> tuple:
+    def layout_key(model: nn.Module, lora_slots: bool = False) -> tuple:
         """Storage, layout of every parameter and the PEFT adapter state: what a refresh in
-        place cannot follow."""
+        place cannot follow. With ``lora_slots``: the base parameters, and whether the adapters
+        can still be served from slots (``peft_lora.fingerprint_state``)."""
         model = peft.unwrap(model)
         params = tuple(
             (n, p.data_ptr(), p.dtype, p.device, tuple(p.shape))
             for n, p in model.named_parameters()
+            if not (lora_slots and peft_lora.is_adapter_parameter(n))
         )  # fmt: skip
+        if lora_slots:
+            return params, peft_lora.fingerprint_state(model)
         return params, peft.adapter_state(model)
 
     def layout_changed(self, model: nn.Module) -> bool:
-        return self.layout_key(model) != self._layout
+        return self.layout_key(model, self._slots) != self._layout
 
     def mark(self, param_ids: set[int]) -> None:
         """An optimizer stepped the parameters with these ids (the step hook)."""

@@ -184,7 +184,9 @@ def test_modules_to_save_copy_is_served(base_outputs):
         assert torch.equal(_same_as_stock(model), base_outputs["llama"])
 
 
-def test_engine_reused_until_the_adapter_state_changes(monkeypatch):
+def test_engine_reused_across_adapter_changes(monkeypatch):
+    """Plain LoRA is served from slots: a scaling change needs no rebuild. Merged adapters
+    (``modules_to_save`` keeps the merged path) rebuild when their state changes."""
     from peft.tuners.lora import LoraLayer
 
     built = []
@@ -195,18 +197,24 @@ def test_engine_reused_until_the_adapter_state_changes(monkeypatch):
         return built[-1]
 
     monkeypatch.setattr(dispatch, "engine_factory", counting)
-    model = _lora("llama")
-    dispatch.configure(model, **{**SMALL_ENGINE, "max_num_seqs": 4})  # the PeftModel's calls
-    paged = dict(_inputs(), backend="paged")
-    model.generate(**paged)
-    model.generate(**paged)
-    assert len(built) == 1 and built[0].config.max_num_seqs == 4
-    assert dispatch.get_engine(model) is built[0]
-    for m in model.modules():  # scaling only: no parameter changes
-        if isinstance(m, LoraLayer):
-            m.set_scale("default", 0.5)
-    assert torch.equal(model.generate(**paged), model.generate(**_inputs()))
-    assert len(built) == 2
+    for targets, extra, engines in (
+        (ATTN + MLP, {}, 1),
+        (["v_proj"], {"modules_to_save": ["lm_head"]}, 2),
+    ):
+        built.clear()
+        model = _lora("llama", targets=targets, **extra)
+        dispatch.configure(model, **{**SMALL_ENGINE, "max_num_seqs": 4})  # the PeftModel's calls
+        paged = dict(_inputs(), backend="paged")
+        model.generate(**paged)
+        model.generate(**paged)
+        assert len(built) == 1 and built[0].config.max_num_seqs == 4
+        assert dispatch.get_engine(model) is built[0]
+        assert (built[0].lora is not None) == (engines == 1)
+        for m in model.modules():  # scaling only: no parameter changes
+            if isinstance(m, LoraLayer):
+                m.set_scale("default", 0.5)
+        assert torch.equal(model.generate(**paged), model.generate(**_inputs()))
+        assert len(built) == engines
 
 
 # ---- LLM and pipeline ---------------------------------------------------------------------
@@ -381,16 +389,14 @@ def test_lora_on_tied_embeddings_falls_back():
     assert any("[peft_tied_weights]" in m for m in fallback_warnings(rec))
 
 
-def test_per_row_adapter_names_fall_back():
+def test_per_row_adapter_names_are_served():
     model = _lora("llama", targets=["q_proj", "v_proj"])
     names = ["default", "__base__"] * (len(LENGTHS) // 2)
-    reset_fallback_warnings()
     stock = model.generate(**_inputs(8), adapter_names=names)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PagedFallbackWarning)
         paged = model.generate(**_inputs(8), adapter_names=names, backend="paged")
     assert torch.equal(paged, stock)
-    assert any("[peft_adapter_names]" in m for m in fallback_warnings(rec))
 
 
 def test_disabled_while_merged_falls_back(base_outputs):

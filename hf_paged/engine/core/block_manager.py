@@ -30,7 +30,8 @@ from hf_paged.engine.core.prompt_embeds import block_extra_keys
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.engine.core.state_slots import StateSlots
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash or None, the block's tokens)
+# (parent block hash, or for a first block the sequence's LoRA key or None; the block's tokens)
+BlockKey = tuple[int | str | None, tuple[int, ...]]
 
 
 def block_key_tokens(seq: Sequence, i: int, bs: int) -> tuple:
@@ -47,8 +48,10 @@ def block_key_tokens(seq: Sequence, i: int, bs: int) -> tuple:
     return tokens + block_extra_keys(seq.prompt_embeds, lo, hi) + bidirectional
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block: the hash of the blocks before it and its own tokens."""
+def hash_block(parent_hash: int | str | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: the hash of the blocks before it and its own tokens.
+    A first block chains from its sequence's ``lora_key`` (None: the base model), so every block
+    of a chain is keyed by the adapter its KV was computed under."""
     return hash((parent_hash, token_ids))
 
 
@@ -136,7 +139,7 @@ class BlockManager:
             limit = min(limit, seq.max_cached_tokens)
         max_hits = limit // bs
         ids: list[int] = []
-        parent: int | None = None
+        parent: int | str | None = seq.lora_key
         for i in range(max_hits):
             tokens = block_key_tokens(seq, i, bs)
             h = hash_block(parent, tokens)
@@ -228,7 +231,7 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.lora_key
         for i in range(len(seq.block_hashes), num_full):
             tokens = block_key_tokens(seq, i, bs)
             h = hash_block(parent, tokens)

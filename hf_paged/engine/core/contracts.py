@@ -45,7 +45,7 @@ class SchedulerOutput:
             if spec and sample:
                 tokens += spec
             chunk = ScheduledChunk(seq.seq_id, tokens, start, seq.block_table, sample,
-                                   state_slot=seq.state_slot)  # fmt: skip
+                                   state_slot=seq.state_slot, lora_key=seq.lora_key)  # fmt: skip
             if seq.bidirectional_ranges:  # those holding one of the chunk's queries
                 chunk.bidirectional_ranges = [
                     (a, b) for a, b in seq.bidirectional_ranges if a < start + n and b > start
@@ -111,6 +111,8 @@ class ScheduledChunk:
     # the sequence's bidirectional ranges that hold a query of this chunk (``Sequence.
     # bidirectional_ranges``; each ends inside the chunk's context: the scheduler keeps it whole)
     bidirectional_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # the LoRA adapter its tokens run under (``Sequence.lora_key``); None: the base model
+    lora_key: str | None = None
 
 
 @dataclass

@@ -54,6 +54,9 @@ class EngineRequest:
     # (Gemma 3's images; ``attention/bidirectional.py``): a prefill chunk never ends inside one.
     # None: causal everywhere
     bidirectional_ranges: list[tuple[int, int]] | None = None
+    # the LoRA adapter it runs under: the key ``LLMEngine.add_lora`` returned (its name plus a
+    # digest of its weights, ``models/adapters``); None: the base model
+    lora_key: str | None = None
 
 
 def validate_prompt(prompt_token_ids, vocab_size: int, max_model_len: int) -> list[int]:

@@ -13,6 +13,9 @@ A prefill chunk never ends inside one of its sequence's bidirectional ranges (an
 tokens attend to each other both ways, ``Sequence.bidirectional_ranges``): it stops before the
 range, or takes all of it in one chunk even past the token budget, so a step exceeds
 ``max_num_batched_tokens`` by less than one range.
+With LoRA adapters (``Sequence.lora_key``) at most ``max_loras`` distinct adapters run at once (the
+runner's device slots): a waiting sequence of another adapter waits, and later waiting sequences
+of adapters already running may pass it.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -113,6 +118,7 @@ class Scheduler:
         # 2. waiting, FCFS; stop at the first that does not fit. Only a sequence whose prefix a
         # running one is still prefilling is passed over (``_held_back``): it waits for the cache
         prefilling = self._prefilling_by_first_block() if self.waiting else {}
+        loras = {s.lora_key for s in self.running if s.lora_key is not None}
         k = 0
         while (
             not out.preempted
@@ -125,6 +131,11 @@ class Scheduler:
                 k += 1
                 self.num_held_back += 1
                 continue
+            lora = seq.lora_key
+            if (lora is not None and self.max_loras is not None and lora not in loras
+                    and len(loras) >= self.max_loras):  # fmt: skip
+                k += 1  # every adapter slot is taken by running sequences
+                continue
             computed_blocks, num_cached = bm.get_computed_blocks(seq)
             num_new = min(len(seq) - num_cached, token_budget)
             if seq.bidirectional_ranges:
@@ -132,6 +143,8 @@ class Scheduler:
             if not bm.allocate_slots(seq, num_new, computed_blocks):
                 break
             del self.waiting[k]
+            if lora is not None:
+                loras.add(lora)
             if prefilling is not None:
                 self._add_prefilling(prefilling, seq)
             seq.num_computed_tokens = seq.num_cached_tokens = num_cached
@@ -194,6 +207,7 @@ class Scheduler:
                 end <= min(limit, other.num_prompt_tokens)
                 and (seq.token_ids[:end] == other.token_ids[:end])
                 and _same_embeds(seq, other, end // bs, bs)
+                and other.lora_key == seq.lora_key
             ):
                 return True
         return False

@@ -59,6 +59,10 @@ class Sequence:
         # prompt positions [start, end), sorted and disjoint, whose tokens attend to each other
         # both ways (an image of Gemma 3); the scheduler never ends a prefill chunk inside one
         self.bidirectional_ranges: list[tuple[int, int]] = []
+        # the LoRA adapter its tokens run under (``models/adapters``: name plus a digest of its
+        # weights), None for the base model; it is also the prefix cache's salt, so KV computed
+        # under one adapter never serves another
+        self.lora_key: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -103,6 +107,7 @@ class Sequence:
         child.max_cached_tokens = self.max_cached_tokens
         child.prompt_embeds = self.prompt_embeds
         child.bidirectional_ranges = self.bidirectional_ranges
+        child.lora_key = self.lora_key
         return child
 
     def reset_for_recompute(self) -> None:

@@ -36,6 +36,8 @@ from hf_paged.engine.worker.step_inputs import StepEmbeds, StepInputs
 from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
+from hf_paged.models.adapters import LoraManager
+from hf_paged.models.loader import BaseWeights
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
 
@@ -53,6 +55,7 @@ class RunnerSpec:
     device: str  # resolved: "cpu" or "cuda:N" (rank 0's; rank r uses cuda:N+r)
     dtype: torch.dtype
     max_model_len: int
+    lora: object | None = None  # ``LoraSpec``: LoRA slots to build (``models/adapters``)
     # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
     envs: dict = field(default_factory=hf_envs.snapshot)
 
@@ -66,6 +69,7 @@ class RunnerSpec:
             device=runtime.device,
             dtype=runtime.dtype,
             max_model_len=runtime.max_model_len,
+            lora=runtime.lora,
         )
 
 
@@ -89,6 +93,7 @@ class ModelRunner:
         self.graph_runner = None
         self.sampler = None
         self.model = None
+        self.lora = None  # the ``LoraManager`` of an engine with LoRA slots
         self.profile = StepProfile(prefix="runner")  # HF_PAGED_PROFILE=1 turns it on
         self.inputs = StepInputs(self.device, self.block_size)  # host -> device step inputs
         # what this runner holds on its device; on CUDA its KV budget (a byte count elsewhere)
@@ -110,7 +115,13 @@ class ModelRunner:
             self.model = build_model(
                 spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
             )
-            self.model.load_weights(spec.model_source)
+            source = spec.model_source
+            if spec.lora is not None and spec.lora.from_peft:
+                source = BaseWeights(source)  # the adapters are served from slots
+            self.model.load_weights(source)
+        if spec.lora is not None:
+            prefix = "hf_model." if hasattr(self.model, "hf_model") else ""
+            self.lora = LoraManager(self.model, spec.lora, self.device, self.dtype, prefix)
         # drop the source: an in-memory HF model must not be kept alive by its engine
         self.spec = spec = dataclasses.replace(spec, model_source=None)
         self.model.eval()
@@ -156,6 +167,8 @@ class ModelRunner:
         """Why decode will run eagerly (None = it is captured, on CUDA)."""
         if self.config.enforce_eager:
             return "enforce_eager=True"
+        if self.lora is not None:
+            return "LoRA slots: each step's token-to-slot grouping is built on the host"
         if not getattr(self.model, "supports_cuda_graph", False):
             why = getattr(self.model, "cuda_graph_reason", None) or "the model says so"
             return f"{type(self.model).__name__} does not support CUDA graphs: {why}"
@@ -325,6 +338,8 @@ class ModelRunner:
             self._copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
             embeds = None if meta.is_decode else self.inputs.prompt_embeds(inp, self.dtype)
+            if self.lora is not None:
+                self.lora.prepare(inp.chunks)
         scores = None
         with prof.section("forward_launch"):
             if any(c.prompt_rows is not None for c in inp.chunks):
@@ -377,6 +392,8 @@ class ModelRunner:
             self.kv_cache.copy_blocks(inp.blocks_to_copy)
             self._copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
+            if self.lora is not None:
+                self.lora.prepare(inp.chunks)
             if prev is not None and prev_rows is not None:
                 cu = meta.cu_seqlens_q_cpu
                 pairs = [(cu[i], r) for i, r in enumerate(prev_rows) if r >= 0]
@@ -446,6 +463,7 @@ class ModelRunner:
         self.state_pool = None
         self.inputs.state_pool = None
         self.model = None
+        self.lora = None
         self.sampler = None
         backend = getattr(self, "attn_backend", None)
         if backend is not None:

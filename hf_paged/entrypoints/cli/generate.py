@@ -1,4 +1,8 @@
-"""``hf-paged generate``: one JSON line per prompt on stdout."""
+"""``hf-paged generate``: one JSON line per prompt on stdout.
+
+``--lora NAME=PATH`` (repeatable) serves LoRA adapters saved by PEFT: with one, every prompt runs
+under it; with several, a JSON line of ``--prompts-file`` picks one with ``"lora": "NAME"`` (other
+prompts run on the base model). Each output line names the adapter it ran under."""
 
 from __future__ import annotations
 
@@ -21,12 +25,20 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--seed", type=int, help="prompt i samples with seed + i")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter saved by PEFT (repeatable); see the module docstring",
+    )
+    g.add_argument("--max-lora-rank", type=int, help="LoRA slot rank (default 16)")
     add_engine_options(g)
     g.set_defaults(handler=cmd_generate, command_parser=g)
 
 
-def _read_prompts_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    """One prompt per line; a line starting with ``{`` is a JSON object with a "prompt"."""
+def _read_prompts_file(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, str | None]]:
+    """``(prompt, lora name or None)`` per line; a line starting with ``{`` is a JSON object with
+    a "prompt" and an optional "lora"."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -37,7 +49,7 @@ def _read_prompts_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
         if not line.strip():
             continue
         if not line.lstrip().startswith("{"):
-            prompts.append(line)
+            prompts.append((line, None))
             continue
         try:
             obj = json.loads(line)
@@ -48,15 +60,40 @@ def _read_prompts_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
                 f"--prompts-file={path!r} line {n} is not allowed: a JSON line must be an object "
                 'with a string "prompt"'
             )
-        prompts.append(obj["prompt"])
+        prompts.append((obj["prompt"], obj.get("lora")))
     return prompts
+
+
+def _lora_requests(parser, specs: list[str] | None, wanted: list[str | None]) -> list | None:
+    """Per prompt, its ``LoRARequest`` (None: the base model) from ``--lora NAME=PATH``."""
+    if not specs:
+        if any(w is not None for w in wanted):
+            parser.error('a prompts-file line names a "lora" but no --lora NAME=PATH was given')
+        return None
+    from hf_paged import LoRARequest
+
+    by_name = {}
+    for i, spec in enumerate(specs, start=1):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--lora={spec!r} is not allowed: give NAME=PATH (a saved PEFT adapter)")
+        by_name[name] = LoRARequest(name, i, path)
+    if len(by_name) == 1 and all(w is None for w in wanted):
+        return [next(iter(by_name.values()))] * len(wanted)
+    unknown = sorted({w for w in wanted if w is not None} - by_name.keys())
+    if unknown:
+        parser.error(f'prompts-file "lora" names {unknown} that no --lora gives; '
+                     f"given: {sorted(by_name)}")  # fmt: skip
+    return [None if w is None else by_name[w] for w in wanted]
 
 
 def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_model_path(parser, args.model_path)
-    prompts = list(args.prompt or [])
+    items = [(p, None) for p in args.prompt or []]
     if args.prompts_file is not None:
-        prompts += _read_prompts_file(parser, args.prompts_file)
+        items += _read_prompts_file(parser, args.prompts_file)
+    prompts = [p for p, _ in items]
+    loras = _lora_requests(parser, args.lora, [w for _, w in items])
     if not prompts:
         parser.error("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     from hf_paged import LLM, SamplingParams
@@ -80,14 +117,23 @@ def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             )
             for i in range(len(prompts))
         ]
-        llm = LLM(args.model_path, **engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        if loras is not None:
+            kwargs["enable_lora"] = True
+            kwargs["max_loras"] = max(1, min(len(args.lora), 8))
+            if args.max_lora_rank is not None:
+                kwargs["max_lora_rank"] = args.max_lora_rank
+        llm = LLM(args.model_path, **kwargs)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     with llm:
         if llm.tokenizer is None:
             parser.error(f"MODEL_PATH={args.model_path!r} has no tokenizer saved beside it")
-        outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
-    for prompt, out in zip(prompts, outs, strict=True):
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty(), lora_request=loras)
+        except ValueError as e:  # an adapter the engine can't serve, named
+            parser.error(str(e))
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         c = out.outputs[0]
         row = {
             "prompt": prompt,
@@ -95,5 +141,7 @@ def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             "token_ids": c.token_ids,
             "finish_reason": c.finish_reason,
         }
+        if loras is not None:
+            row["lora"] = loras[i].lora_name if loras[i] is not None else None
         print(json.dumps(row, ensure_ascii=False), flush=True)
     return 0

@@ -59,6 +59,9 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     with owner_for(lm, need).hold() as held:
         engine = held.get()
         requests = _requests(lm, engine.runtime, rows)
+        key = paged_call.active_lora_key(lm.model, engine)  # a PEFT model's active adapters
+        for r in requests:
+            r.lora_key = key
         outs = run_requests(
             engine, requests, "Running generate_until requests (paged)",
             disable_tqdm or lm.rank != 0,

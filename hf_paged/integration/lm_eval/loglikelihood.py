@@ -11,6 +11,7 @@ one engine run, the continuations of a context sharing its KV through the prefix
 from __future__ import annotations
 
 from hf_paged.engine.core.request import EngineRequest
+from hf_paged.integration import paged_call
 from hf_paged.integration.lm_eval.scoring import loglikelihood_result, score_params, score_window
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 from hf_paged.integration.lm_eval.tokenize import encode_many
@@ -81,9 +82,11 @@ def loglikelihood_tokens(lm, requests, disable_tqdm: bool) -> list[tuple[float, 
     # the engine's prompt is a window without its last token, plus one discarded new token
     need = max(len(w) for w, _ in windows)
     with owner_for(lm, need, scoring=True).hold() as held:
+        engine = held.get()
+        key = paged_call.active_lora_key(lm.model, engine)  # a PEFT model's active adapters
         outs = run_requests(
-            held.get(),
-            [EngineRequest(w[:-1], score_params(w, start)) for w, start in windows],
+            engine,
+            [EngineRequest(w[:-1], score_params(w, start), lora_key=key) for w, start in windows],
             "Running loglikelihood requests (paged)",
             disable_tqdm or lm.rank != 0,
         )

@@ -206,7 +206,7 @@ class BatchStream:
         if kwargs.get("input_ids") is not None and way.precheck(item.kwargs) is None:
             try:
                 native = paged_call.plan_generate(way.prep_model, engine.runtime, kwargs,
-                                                  self._plans)  # fmt: skip
+                                                  self._plans, engine)  # fmt: skip
             except PagedFallback:
                 native = None
         if not isinstance(native, paged_call.NativeCall):  # external sampling: per batch

@@ -22,6 +22,7 @@ from hf_paged.attention.base import AttentionMetadata
 from hf_paged.attention.kv_cache import KVCacheSpec
 from hf_paged.layers.attention import Attention
 from hf_paged.layers.context import ModelContext
+from hf_paged.models import peft
 from hf_paged.models.generic import profile
 from hf_paged.models.generic.attention import BINDING_ATTR, LayerBinding, StepState
 from hf_paged.models.generic.build import backbone_of, build_on_meta, meta_tensor_attributes
@@ -39,6 +40,7 @@ from hf_paged.models.generic.weights import (
     load_from_module,
     refresh_weights,
 )
+from hf_paged.models.loader import BaseWeights, iter_model_weights
 from hf_paged.models.recurrent import registry
 from hf_paged.models.recurrent.base import StateSpec
 from hf_paged.refusal import Refusal
@@ -136,8 +138,14 @@ class GenericForCausalLM(nn.Module):
             UnsupportedModelError: the profile pass found something the engine can't run.
             ValueError / FileNotFoundError: the weights do not match or are not there.
         """
-        if isinstance(source, nn.Module):
-            load_from_module(self.hf_model, source, self.device, self.shard_rules)
+        if isinstance(source, (nn.Module, BaseWeights)):
+            # a PEFT model: its LoRA merged, or (``BaseWeights``) its base weights for LoRA slots
+            merge = not isinstance(source, BaseWeights)
+            hf = source if merge else source.model
+            params = None
+            if peft.is_peft_model(hf) or peft.tuner_modules(hf):
+                params = dict(iter_model_weights(hf, merge_lora=merge))
+            load_from_module(self.hf_model, peft.unwrap(hf), self.device, self.shard_rules, params)
         elif isinstance(source, (str, os.PathLike)):
             load_from_checkpoint(self.hf_model, source, self.device, self.dtype, self.shard_rules)
         else:

@@ -25,14 +25,20 @@ from torch import nn
 from hf_paged.models.loader import safetensors_files
 
 
-def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, rules=None) -> None:
+def load_from_module(model: nn.Module, source: nn.Module, device: torch.device, rules=None,
+                     params: dict | None = None) -> None:  # fmt: skip
     """Fill ``model``'s parameters and persistent/non-persistent buffers from ``source``.
+
+    Args:
+        params: ``{HF name: tensor}`` to load instead of ``source``'s own parameters (a PEFT
+            model's merged or base weights, ``models/loader.iter_model_weights``).
 
     Raises:
         ValueError: ``source`` lacks a parameter ``model`` has, a shape differs, or a source
             tensor is on the meta device (offloaded).
     """
-    src_params = dict(source.named_parameters(remove_duplicate=False))
+    src_params = params if params is not None else dict(
+        source.named_parameters(remove_duplicate=False))  # fmt: skip
     src_buffers = dict(source.named_buffers(remove_duplicate=False))
     missing = []
     with torch.no_grad():

@@ -1,0 +1,125 @@
+"""Segmented LoRA shrink/expand (``kernels/lora_segmented.py``): the Triton kernels equal the torch
+reference under Triton's CPU interpreter (ranks 1-64, mixed slots, tokens without an adapter,
+empty segments, a column offset into a fused output), and the reference equals PEFT's per-row
+``lora_B(lora_A(x)) * scaling``. Runs as a child process like the other interpreter tests; the
+GPU case (bf16 on CUDA) is marked ``gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels.lora_segmented import LoraSegments, lora_ref
+from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+
+RANKS = [1, 2, 7, 16, 33, 64]
+
+
+def _problem(rank, num_tokens=37, num_slots=4, k=48, n=40, dtype=torch.float32, device="cpu",
+             seed=0):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(num_tokens, k, generator=gen)
+    a = torch.randn(num_slots, rank, k, generator=gen) / k**0.5
+    b = torch.randn(num_slots, n, rank, generator=gen)
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    # mixed slots, unsorted, some tokens without an adapter; slot 2 is never used
+    slots = [[0, 1, 3, -1][(7 * t + seed) % 4] for t in range(num_tokens)]
+    out = torch.randn(num_tokens, n + 24, generator=gen)  # a fused output: LoRA at offset 8
+    to = lambda *ts: [t.to(device=device, dtype=dtype) for t in ts]  # noqa: E731
+    return (*to(x, a, b, out), scales.to(device), slots)
+
+
+def _with_empty_segments(segs: LoraSegments) -> LoraSegments:
+    """``segs`` plus an empty segment of a real slot and a segment of slot -1."""
+    dev = segs.seg_starts.device
+    extra = lambda t, v: torch.cat([t, torch.tensor(v, dtype=t.dtype, device=dev)])  # noqa: E731
+    host = segs.host + ((2, 0, 0), (-1, 0, 0))
+    return LoraSegments(segs.token_indices, extra(segs.seg_starts, [0, 0]),
+                        extra(segs.seg_lens, [0, 3]), extra(segs.seg_slots, [2, -1]),
+                        segs.num_tokens, host)  # fmt: skip
+
+
+def _kernel_error(rank, empty, block_m, view=False):
+    from hf_paged.kernels.lora_segmented import lora_triton
+
+    x, a, b, out, scales, slots = _problem(rank, seed=int(empty))
+    if view:  # one slice of a fused layer's stacked A: [S, 3R, K] viewed at rows [R, 2R)
+        big = torch.randn(a.shape[0], 3 * rank, a.shape[2])
+        big[:, rank : 2 * rank] = a
+        a = big[:, rank : 2 * rank]
+    segs = LoraSegments.from_slots(slots, "cpu")
+    if empty:
+        segs = _with_empty_segments(segs)
+    want, got = out.clone(), out.clone()
+    lora_ref(x, want, a, b, scales, segs, offset=8)
+    lora_triton(x, got, a, b, scales, segs, offset=8, block_m=block_m)
+    assert not torch.equal(want, out), "the reference added nothing"
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _cases():
+    cases = {f"r{r}": (_kernel_error, (r, False, 16)) for r in RANKS}
+    cases["r16_empty_segments"] = (_kernel_error, (16, True, 16))
+    cases["r5_empty_segments_m32"] = (_kernel_error, (5, True, 32))
+    cases["r16_slice_view"] = (_kernel_error, (16, False, 16, True))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_interpreter_cases(__file__, timeout=900)
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_triton_matches_reference_interpreted(results, name):
+    value = results[name]
+    assert not isinstance(value, str), value
+    assert value < 1e-5, f"{name}: relative error {value}"
+
+
+@pytest.mark.parametrize("rank", [1, 8, 64])
+def test_reference_is_peft_per_row(rank):
+    x, a, b, out, scales, slots = _problem(rank)
+    segs = LoraSegments.from_slots(slots, "cpu")
+    got = out.clone()
+    lora_ref(x, got, a, b, scales, segs, offset=8)
+    want = out.clone()
+    for t, s in enumerate(slots):  # PEFT: result += lora_B(lora_A(x)) * scaling, row by row
+        if s >= 0:
+            want[t, 8:48] += (x[t] @ a[s].T) @ b[s].T * scales[s]
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got[:, 8:48], out[:, 8:48])
+    # columns outside the slice and rows without an adapter are untouched
+    assert torch.equal(got[:, :8], out[:, :8]) and torch.equal(got[:, 48:], out[:, 48:])
+    none = [t for t, s in enumerate(slots) if s < 0]
+    assert none and torch.equal(got[none], out[none])
+
+
+def test_segments_group_by_slot():
+    segs = LoraSegments.from_slots([3, -1, 0, 3, 0, -1, 3], "cpu")
+    assert segs.seg_slots.tolist() == [0, 3]
+    assert segs.seg_lens.tolist() == [2, 3]
+    assert segs.seg_starts.tolist() == [0, 2]
+    assert segs.token_indices.tolist() == [2, 4, 0, 3, 6]
+    empty = LoraSegments.from_slots([-1, -1], "cpu")
+    assert empty.seg_slots.numel() == 0 and empty.host == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_triton_matches_reference_on_gpu(rank):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from hf_paged.kernels.lora_segmented import lora_triton
+
+    x, a, b, out, scales, slots = _problem(rank, num_tokens=300, k=512, n=768,
+                                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    segs = LoraSegments.from_slots(slots, "cuda")
+    want, got = out.float().clone(), out.clone()
+    lora_ref(x.float(), want, a.float(), b.float(), scales, segs, offset=8)
+    lora_triton(x, got, a, b, scales, segs, offset=8)
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
+
+
+if __name__ == "__main__":
+    interpret_main(_cases())
