@@ -13,13 +13,17 @@
 #                                                   # (full + 8-doc), pipeline client (~9 min)
 #   bash evaluation/run_acceptance_gpu.sh rest      # prompt logprobs, engine start, Qwen3.5
 #                                                   # hybrid bench, FP8 ct/kv (~9 min)
+#   bash evaluation/run_acceptance_gpu.sh lora      # segmented-LoRA kernel on CUDA, many-adapter
+#                                                   # bench on the 8B shape (~9 min)
+#   bash evaluation/run_acceptance_gpu.sh vlm       # VLM CUDA parity and the Gemma 3 kernel,
+#                                                   # Qwen2.5-VL-7B-shape bench (~9 min)
 #
 # Every step runs under `timeout` so that a slow one cannot eat the call; a step that times out
 # says so in steps.log and the next one runs. Everything lands in $OUT/acceptance_<call>.tar.gz
 # (and steps.log beside it): the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: run_acceptance_gpu.sh tests-a|tests-b|bench|clients|rest}
+call=${1:?usage: run_acceptance_gpu.sh tests-a|tests-b|bench|clients|rest|lora|vlm}
 out=${OUT:-evaluation/results}
 work=$(mktemp -d /tmp/acceptance.XXXX)
 res=$work/results
@@ -79,8 +83,20 @@ case $call in
     step 180 hybrid python3 evaluation/bench_hybrid.py
     step 100 fp8_ct_kv python3 evaluation/bench_fp8.py --parts ct,kv --repeats 2
     ;;
+  lora)
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"
+    step 120 lora_kernel python3 -m pytest -q -rs -m gpu tests/kernels/test_lora_segmented.py \
+      tests/models/adapters
+    step 420 lora_bench python3 evaluation/bench_lora_gpu.py
+    ;;
+  vlm)
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"
+    step 150 vlm_parity python3 -m pytest -q -rs -m gpu tests/integration/multimodal \
+      tests/kernels -k "bidirectional"
+    step 400 vlm_bench python3 evaluation/bench_vlm_gpu.py
+    ;;
   *)
-    echo "unknown call $call: one of tests-a tests-b bench clients rest" >&2
+    echo "unknown call $call: one of tests-a tests-b bench clients rest lora vlm" >&2
     exit 2
     ;;
 esac
