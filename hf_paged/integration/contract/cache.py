@@ -26,10 +26,11 @@ place (the chat pattern: one ``DynamicCache`` given to every turn). Here:
   set up as stock sets it up (``get_compiled_call`` when ``_valid_auto_compile_criteria``
   holds), so a caller or a later stock call that looks for it finds it.
 
-Falls back by name (``cache_refusal``): recurrent layers (stock's cache holds their conv and
-recurrent states), tensor parallelism (the KV heads live in several processes), an FP8 KV cache,
-KV layers that are not stock's cache layers one to one, quantized and offloaded caches, and a
-passed cache that is a legacy tuple, of another class, batch or length.
+Falls back by name (``_call_refusal``, ``_engine_refusal``): recurrent layers (stock's cache
+holds their conv and recurrent states), tensor parallelism (the KV heads live in several
+processes), an FP8 KV cache, KV layers that are not stock's cache layers one to one, quantized
+and offloaded caches, and a passed cache that is a legacy tuple, of another class, batch or
+length, or comes with prompt embeddings.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
         engine_of: returns the engine (only asked when the cache must be filled).
 
     Raises:
-        PagedFallback: ``cache_refusal``'s reasons.
+        PagedFallback: the reasons of ``_call_refusal`` and ``_engine_refusal``.
     """
     gen = call.generation_config
     use_cache = gen.use_cache is not False
