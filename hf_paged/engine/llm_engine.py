@@ -247,6 +247,7 @@ class LLMEngine:
             raise RuntimeError("update_weights is not allowed while requests are in flight")
         copied = self.executor.refresh_weights(list(weights))
         self.block_manager.reset_prefix_cache()
+        self.runtime.encoder_cache.clear()  # image features of the old vision weights
         return copied
 
     def refresh_weights(self, source, names: set[str]) -> int:

@@ -223,7 +223,7 @@ class LLM:
         full tensor)`` pairs (a policy's ``named_parameters()`` or ``state_dict().items()``), as
         an RL loop syncs its trained policy into the generator (vLLM's ``load_weights``). Every
         rank of a tensor-parallel engine copies its part in place; the KV cache stays, the
-        prefix cache is dropped. Returns how many tensors rank 0 copied.
+        prefix cache and the encoder cache (image features) are dropped. Returns how many tensors rank 0 copied.
 
         Raises:
             ValueError: an LLM built on an in-memory model (its engine follows that model's own

@@ -111,3 +111,20 @@ def test_calls_admitted_together_encode_in_one_batch(counted):
     got = encode_calls(model, [mm[0], bad], EncoderCache(1024))
     assert isinstance(got[1], Exception) and not isinstance(got[0], Exception)
     assert torch.equal(got[0][1][0].rows, encode_calls(model, [mm[0]], None)[0][1][0].rows)
+
+
+def test_new_weights_drop_the_image_features():
+    """``update_weights`` (an RL loop's sync) drops the encoder cache with the prefix cache: the
+    features were computed by the old vision weights."""
+    from hf_paged.engine.llm_engine import LLMEngine
+    from hf_paged.integration.multimodal import prompt_embeds
+
+    model = build_tiny_vlm("llava")
+    kw = batch(model, [[[5], image(model, 1), [6]]])
+    ids, mask = kw.pop("input_ids"), kw.pop("attention_mask")
+    with LLMEngine(model, ENGINE) as eng:
+        cache = eng.runtime.encoder_cache
+        prompt_embeds(model, ids, mask, kw, cache)
+        assert len(cache) == 1
+        eng.update_weights([])
+        assert len(cache) == 0 and cache.stats()["encoder_cache_rows"] == 0

@@ -18,6 +18,7 @@ from hf_paged.testing.vlm import (
     CRAMPED,
     ENGINE,
     FAMILIES,
+    batch,
     build_tiny_vlm,
     expand,
     image,
@@ -94,3 +95,27 @@ def test_other_families_are_refused_by_name(model_type, why):
 
     reason = static_reason(CONFIG_MAPPING[model_type]())
     assert reason is not None and why in reason.detail, reason
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_other_decoding_paths(family):
+    """Prompt lookup (speculative chunks past the prompt, M-RoPE delta), the external sampling
+    loop (scores returned) and sampling: stock's tokens and scores."""
+    import torch
+
+    model = build_tiny_vlm(family)
+    rows = [[[5, 6, 7, 5, 6, 7], image(model, 1), [8, 9, 5, 6]], [[10], image(model, 2), [11]]]
+    stock = stock_greedy(model, rows, 10)
+    kw = batch(model, rows)
+    width = kw["input_ids"].shape[1]
+    args = dict(max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    lookup = model.generate(**kw, **args, do_sample=False, prompt_lookup_num_tokens=3,
+                            backend="paged", paged_config=ENGINE)  # fmt: skip
+    assert lookup[:, width:].tolist() == stock
+    scored = dict(args, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = model.generate(**kw, **scored)
+    out = model.generate(**kw, **scored, backend="paged", paged_config=ENGINE)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    dispatch.release(model)
