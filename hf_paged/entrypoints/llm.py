@@ -173,6 +173,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):  # list() of it would give its keys
+            raise TypeError(
+                f"sampling_params=<dict with keys {sorted(map(str, sampling_params))}> is not "
+                "allowed: must be a SamplingParams or a list of them, e.g. "
+                "SamplingParams(**params)"
+            )
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
