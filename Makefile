@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py hf_paged_backend.pth
 	@echo "make: creating $(VENV) and installing torch 2.13.0 (a CPU build from local disk), then"
 	@echo "      hf_paged with its dev extra (transformers, triton, peft, lm-eval, datasets):"
 	@echo "      about 4 minutes on a fresh machine"

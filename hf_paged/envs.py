@@ -50,7 +50,9 @@ SWITCHES: dict[str, Switch] = {
             "Backend of transformers ``generate`` calls (and so of text-generation pipelines) "
             "made without a ``backend=`` keyword: 'hf' = stock, 'paged' = the engine. "
             "``hf_paged.set_default_backend`` overrides it within a process; ``hf-paged run`` "
-            "sets it to 'paged' for the program and its child processes.",
+            "sets it to 'paged' for the program and its child processes. It acts in programs "
+            "that never import hf_paged through the start-up hook the package installs "
+            "(``hf_paged_backend.pth``: imports hf_paged only when this is set).",
             choices=("hf", "paged"),
         ),
         Switch(

@@ -17,11 +17,23 @@ def not_a_checkpoint(name: str, path: str, allowed: str = "a local checkpoint di
         f"{name}={path!r} is not allowed: must be {allowed} with a config.json (hf_paged "
         "downloads nothing)"
     )
-    parts = path.split("/")
-    if len(parts) == 2 and all(parts) and not os.path.exists(path):
+    if _looks_like_hub_id(path):
         message += (
-            f"; {path!r} looks like a Hugging Face Hub id: download it first, e.g. "
-            f"`huggingface-cli download {path} --local-dir DIR` (or "
-            "`huggingface_hub.snapshot_download`), and pass that local directory"
+            f"; {path!r} looks like a Hugging Face Hub id: download it first on a machine that "
+            f"reaches the hub, e.g. `huggingface-cli download {path} --local-dir DIR` (or "
+            "`huggingface_hub.snapshot_download`), and pass that local directory; for a small "
+            "model to try, `hf-paged fetch-demo-model` writes ./models/smollm2-135m-instruct"
         )
     return message
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``name`` or ``org/name``, not on disk (``gpt2``, ``Qwen/Qwen3-0.6B``)."""
+    parts = path.split("/")
+    return (
+        not os.path.exists(path)
+        and 1 <= len(parts) <= 2
+        and all(parts)
+        and not path.startswith((".", "~"))
+        and "\\" not in path
+    )

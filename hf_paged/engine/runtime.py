@@ -12,6 +12,8 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.layers.rotary import length_dependent_limit
+from hf_paged.models.generic.support import checkpoint_class_reason
+from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.registry import resolve_model_class
 from hf_paged.models.servable import check_servable
 from hf_paged.paths import not_a_checkpoint
@@ -198,6 +200,9 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
                 )
             )
         hf_config = AutoConfig.from_pretrained(path)
+        not_causal = checkpoint_class_reason(hf_config)
+        if not_causal is not None:
+            raise UnsupportedModelError(not_causal)
         try:
             gen_config = GenerationConfig.from_pretrained(path)
         except OSError:

@@ -31,7 +31,9 @@ hashed).
 from __future__ import annotations
 
 import os
+import re
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -126,6 +128,7 @@ class PagedGenerateMap:
         # stop strings need the tokenizer in generate; this function's own takes the name
         self.generate_kwargs = {"tokenizer": tokenizer, **generate_kwargs}
         self.map_kwargs = {"batched": True, "batch_size": batch_size}
+        self._warned: set[tuple[type, str]] = set()  # warnings said already (_warn_once)
         self._token = uuid.uuid4().hex  # what dataset fingerprinting sees instead of the model
 
     def __call__(self, batch: dict) -> dict:
@@ -189,10 +192,14 @@ class PagedGenerateMap:
         engine = self._engine()
         plans = PlanCache()  # rows with the same options are prepared once
         try:
-            calls = [
-                route(self._prep_model(), self._kwargs(p), lambda: engine.runtime, cache=plans)
-                for p in prompts
-            ]
+            # stock's preparation runs once per row: its warnings are said once (see _warn_once)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                calls = [
+                    route(self._prep_model(), self._kwargs(p), lambda: engine.runtime, cache=plans)
+                    for p in prompts
+                ]
+            self._warn_once(caught)
         except PagedFallback as fb:
             raise NotImplementedError(
                 f"paged_generate_map cannot run these generate options: {fb.detail} [{fb.reason}]"
@@ -220,6 +227,17 @@ class PagedGenerateMap:
         finally:
             bar.close()
         return [o.outputs[0].token_ids for o in outs]
+
+    def _warn_once(self, caught: list[warnings.WarningMessage]) -> None:
+        """Say each warning of stock's per-row preparation once for this function, not once per
+        row or per prompt length: warnings that differ only in their numbers (``max_length
+        (=44)``, ``(=45)``, ...) are one. They go through the caller's warning filters."""
+        for w in caught:
+            key = (w.category, re.sub(r"\d+", "N", str(w.message)))
+            if key in self._warned:
+                continue
+            self._warned.add(key)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
     def _kwargs(self, prompt: list[int]) -> dict:
         """``generate``'s keywords for this row alone (stock prepares them: defaults,

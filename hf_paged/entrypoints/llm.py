@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -125,6 +125,30 @@ class LLM:
             return self._generate(prompts, sampling_params, use_tqdm, proposer,
                                   lora_request=lora_request)  # fmt: skip
 
+    def stream(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        proposer=None,
+        lora_request=None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """``generate``'s requests, yielding ``(input index, RequestOutput)`` as each finishes
+        (what ``hf-paged generate`` writes line by line). Every prompt is checked before the
+        first is queued; closing the iterator early (``break``, Ctrl-C) aborts what is still
+        running and leaves the engine usable.
+
+        Raises:
+            ValueError / TypeError: as ``generate``, at the first ``next``.
+            RuntimeError: the LLM is closed.
+        """
+        self._check_open()
+        with self._owner.hold() as held:
+            held.get()
+            requests = self._requests(prompts, sampling_params, proposer,
+                                      lora_request=lora_request)  # fmt: skip
+            with self.engine.stream(requests) as outputs:
+                yield from outputs
+
     def chat(
         self,
         messages,
@@ -170,9 +194,26 @@ class LLM:
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool, proposer=None, encoded=None,
                   lora_request=None):  # fmt: skip
+        requests = self._requests(prompts, sampling_params, proposer, encoded, lora_request)
+        total = sum(budget(r.params) for r in requests)
+        bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
+        try:
+            return self.engine.run(requests, progress=bar.update)
+        finally:
+            bar.n = min(bar.n, total)
+            bar.close()
+
+    def _requests(self, prompts, sampling_params, proposer=None, encoded=None, lora_request=None):
+        """One checked EngineRequest per prompt, with its adapter (nothing queued yet)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):  # list() of it would give its keys
+            raise TypeError(
+                f"sampling_params=<dict with keys {sorted(map(str, sampling_params))}> is not "
+                "allowed: must be a SamplingParams or a list of them, e.g. "
+                "SamplingParams(**params)"
+            )
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -194,13 +235,7 @@ class LLM:
                     for (text, ids), sp in zip(encoded or map(self._encode, prompts), params)]  # fmt: skip
         for r, key in zip(requests, self._lora_keys(lora_request, len(requests)), strict=True):
             r.lora_key = key
-        total = sum(budget(r.params) for r in requests)
-        bar = tqdm(total=total, desc="hf_paged", unit="tok", disable=not use_tqdm)
-        try:
-            return self.engine.run(requests, progress=bar.update)
-        finally:
-            bar.n = min(bar.n, total)
-            bar.close()
+        return requests
 
     def _lora_keys(self, lora_request, num_prompts: int) -> list[str | None]:
         """Per prompt, the engine key of its adapter (``lora_request.py``); an in-memory PEFT

@@ -5,6 +5,8 @@ alone is the oracle."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,3 +94,21 @@ def test_num_proc_error_reaches_the_caller(served):
     ds = datasets.Dataset.from_dict({"p": ["a", "b", "c", "d"]})
     with pytest.raises(RuntimeError, match="can't be sent to another process.*without num_proc"):
         ds.map(fn, num_proc=2, **fn.map_kwargs)
+
+
+def test_stock_warnings_are_said_once_per_map_call_not_per_prompt_length(served):
+    """Stock's preparation runs once per row, and its ``max_length`` warning names the row's
+    length: 12 rows of 12 lengths gave 12 warnings. One map call says it once."""
+    path, _, _, _ = served
+    fn = paged_generate_map(path, column="p", batch_size=5, use_tqdm=False, paged_config=SMALL,
+                            do_sample=False)  # fmt: skip  (no max_new_tokens: stock warns)
+    ds = datasets.Dataset.from_dict({"p": [list(range(5, 6 + n)) for n in range(12)]})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = ds.map(fn, **fn.map_kwargs)
+    finally:
+        fn.close()
+    assert len(out["generated"]) == 12
+    said = [str(w.message) for w in caught if "max_length" in str(w.message)]
+    assert len(said) == 1, said

@@ -108,3 +108,56 @@ def test_help_works_without_ray():
     assert out.returncode == 0, out.stderr
     assert "a paged-KV engine behind Hugging Face" in out.stdout
     assert "LLMEngine" in out.stdout
+
+
+def _save_tiny(kind: str, path: Path) -> str:
+    """A tiny non-decoder checkpoint: ``bert`` (saved as ``BertModel``, an encoder with no LM
+    head) or ``xlm`` (``XLMWithLMHeadModel``, which stock generates with by re-running a mask
+    token)."""
+    import transformers as tf
+
+    if kind == "bert":
+        cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, vocab_size=128)  # fmt: skip
+        tf.BertModel(cfg).save_pretrained(path)
+    else:
+        cfg = tf.XLMConfig(emb_dim=64, n_layers=2, n_heads=4, vocab_size=128)
+        tf.XLMWithLMHeadModel(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_an_encoder_checkpoint_is_called_no_causal_lm(tmp_path):
+    """A ``BertModel`` checkpoint was blamed on 'unexpected weights' (its pooler): it is no
+    causal LM, and the message says so as it does for T5."""
+    with pytest.raises(ValueError) as info:
+        LLM(_save_tiny("bert", tmp_path / "bert"), device="cpu", num_kv_blocks=16)
+    message = str(info.value)
+    assert "'BertModel' is not a transformers causal LM" in message, message
+    assert "unexpected weights" not in message
+
+
+def test_a_refused_model_is_named(tmp_path):
+    with pytest.raises(ValueError) as info:
+        LLM(_save_tiny("xlm", tmp_path / "xlm"), device="cpu", num_kv_blocks=16)
+    message = str(info.value)
+    assert message.startswith("XLMWithLMHeadModel: "), message
+    assert "mask token" in message
+
+
+def test_a_bare_hub_id_gets_the_download_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no directory named gpt2 here
+    with pytest.raises(ValueError) as info:
+        LLM("gpt2")
+    message = str(info.value)
+    assert "'gpt2' looks like a Hugging Face Hub id" in message
+    assert "huggingface-cli download gpt2 --local-dir DIR" in message
+    assert "hf-paged fetch-demo-model" in message
+
+
+def test_a_dict_of_sampling_params_is_called_a_dict(llm):
+    with pytest.raises(TypeError) as info:
+        llm.generate("hi", {"max_tokens": 3, "temperature": 0})
+    message = str(info.value)
+    assert "sampling_params=<dict with keys ['max_tokens', 'temperature']>" in message
+    assert "SamplingParams(**params)" in message
+    assert not llm.engine.has_unfinished_requests()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +40,7 @@ from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.adapters import LoraManager
 from hf_paged.models.loader import BaseWeights
+from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
 
@@ -111,7 +114,7 @@ class ModelRunner:
         self.ctx = ModelContext(
             backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
         )
-        with timings.span("engine_start.model_load"):
+        with timings.span("engine_start.model_load"), _refusals_named(spec.hf_config):
             self.model = build_model(
                 spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
             )
@@ -471,6 +474,19 @@ class ModelRunner:
         self.ctx = None
         self.inputs.release()
         self.memory.release()
+
+
+@contextmanager
+def _refusals_named(hf_config) -> Iterator[None]:
+    """A model path's refusal while building or loading says which model it refuses."""
+    try:
+        yield
+    except UnsupportedModelError as e:
+        archs = getattr(hf_config, "architectures", None) or []
+        name = archs[0] if archs else str(getattr(hf_config, "model_type", "the model"))
+        if name in str(e):
+            raise
+        raise UnsupportedModelError(f"{name}: {e}") from e
 
 
 def _model_name(spec: RunnerSpec) -> str:

@@ -1,5 +1,5 @@
 """``python -m hf_paged.entrypoints.cli``: the ``hf-paged`` command."""
 
-from hf_paged.entrypoints.cli import main
+from hf_paged.entrypoints.cli import console_main
 
-raise SystemExit(main())
+console_main()

@@ -9,21 +9,35 @@ import contextlib
 import json
 import sys
 
-from hf_paged.entrypoints.cli.options import add_engine_options, check_model_path, engine_kwargs
+from hf_paged.entrypoints.cli.errors import CliError
+from hf_paged.entrypoints.cli.options import (
+    add_engine_options,
+    check_engine_options,
+    check_model_path,
+    engine_kwargs,
+)
 
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="stock generate vs paged on a W1-like workload")
     b.add_argument("model_path", metavar="MODEL_PATH", help="local checkpoint directory")
-    b.add_argument("--num-requests", type=int, default=16)
-    b.add_argument("--min-input-len", type=int, default=16)
-    b.add_argument("--max-input-len", type=int, default=64)
-    b.add_argument("--min-output-len", type=int, default=16)
-    b.add_argument("--max-output-len", type=int, default=64)
-    b.add_argument("--hf-batch-size", type=int, default=64, help="stock generate's batch size")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--skip-hf", action="store_true", help="time the paged engine only")
-    b.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    d = " (default: %(default)s)"
+    b.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests" + d)
+    b.add_argument("--min-input-len", type=int, default=16, metavar="N",
+                   help="shortest prompt, in tokens" + d)  # fmt: skip
+    b.add_argument("--max-input-len", type=int, default=64, metavar="N",
+                   help="longest prompt, in tokens" + d)  # fmt: skip
+    b.add_argument("--min-output-len", type=int, default=16, metavar="N",
+                   help="fewest new tokens of a request" + d)  # fmt: skip
+    b.add_argument("--max-output-len", type=int, default=64, metavar="N",
+                   help="most new tokens of a request" + d)  # fmt: skip
+    b.add_argument("--hf-batch-size", type=int, default=64, metavar="N",
+                   help="stock generate's batch size" + d)  # fmt: skip
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="the workload's draw" + d)
+    b.add_argument("--skip-hf", action="store_true",
+                   help="time the paged engine only (default: off)")  # fmt: skip
+    b.add_argument("--json", action="store_true",
+                   help="one JSON object instead of a table (default: off)")  # fmt: skip
     add_engine_options(b)
     b.set_defaults(handler=cmd_bench, command_parser=b)
 
@@ -63,30 +77,24 @@ def _bench_paged(path: str, wl, engine_kwargs: dict, device: str) -> tuple[float
     return row["wall_s"], row["device"], row["dtype"]
 
 
-def _check_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_bench_args(args: argparse.Namespace) -> None:
     for name in ("num_requests", "min_input_len", "min_output_len", "hf_batch_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: >= 1")
+            raise CliError(f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed: >= 1")
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if getattr(args, hi) < getattr(args, lo):
-            parser.error(
+            raise CliError(
                 f"--{hi.replace('_', '-')}={getattr(args, hi)} is not allowed: must be >= "
                 f"--{lo.replace('_', '-')}={getattr(args, lo)}"
             )
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_model_path(parser, args.model_path)
-    _check_bench_args(parser, args)
-    from transformers import AutoConfig
-
-    from hf_paged.config import EngineConfig
-
-    try:
-        EngineConfig.from_dict(engine_kwargs(args))
-    except (TypeError, ValueError) as e:
-        parser.error(str(e))
+    check_model_path(args.model_path)
+    _check_bench_args(args)
+    check_engine_options(args)
     import torch
+    from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model_path).vocab_size
     wl = _workload(args, vocab)

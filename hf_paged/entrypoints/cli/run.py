@@ -13,15 +13,24 @@ import os
 import runpy
 import sys
 
+from hf_paged.entrypoints.cli.errors import say_error
+
 USAGE = """usage: hf-paged run [--report] [--timings FILE] [--backend paged|hf] script.py [args ...]
        hf-paged run [--report] [--timings FILE] [--backend paged|hf] -m module [args ...]
 
 Run a program unmodified, with every transformers generate call on the paged engine
-(HF_PAGED_BACKEND=paged). --report prints to stderr at exit what the engine served.
---timings FILE appends the process's time breakdown (imports, model load, engine start, the
-client's setup, tokenization, requests, model work and results) to FILE as one JSON line;
-with --backend hf the program runs stock under the same timing hooks, for a side-by-side
-breakdown (evaluation/breakdown.py)."""
+(HF_PAGED_BACKEND=paged; child processes inherit it).
+
+options:
+  -h, --help        show this help message and exit
+  --report          print to stderr at exit what the engine served (default: off)
+  --timings FILE    append the process's time breakdown (imports, model load, engine start,
+                    the client's setup, tokenization, requests, model work and results) to
+                    FILE as one JSON line (default: none)
+  --backend paged|hf  paged: generate on the engine; hf: the program runs stock under the same
+                    timing hooks, for a side-by-side breakdown (evaluation/breakdown.py)
+                    (default: paged)
+  -m module         run a module as `python -m module` does (default: a script)"""
 BACKENDS = ("paged", "hf")
 
 
@@ -79,8 +88,8 @@ class ServedCounter:
 
 
 def _usage_error(message: str) -> None:
-    print(f"hf-paged: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    """One line, as every ``hf-paged`` command fails (``errors.py``), and exit with 2."""
+    raise SystemExit(say_error("run", message))
 
 
 def parse(argv: list[str]) -> tuple[dict, str | None, str | None, list[str]]:
@@ -99,36 +108,45 @@ def parse(argv: list[str]) -> tuple[dict, str | None, str | None, list[str]]:
             continue
         name, eq, value = arg.partition("=")
         if name not in ("--timings", "--backend"):
-            _usage_error(f"run: option {arg!r} is not allowed: options are --report, "
+            _usage_error(f"option {arg!r} is not allowed: options are --report, "
                          "--timings FILE, --backend paged|hf, -m")  # fmt: skip
         if not eq:
             if i + 1 >= len(argv):
-                _usage_error(f"run: {name} needs a value")
+                _usage_error(f"{name} needs a value")
             value, i = argv[i + 1], i + 1
         i += 1
         if name == "--backend" and value not in BACKENDS:
-            _usage_error(f"run: --backend={value!r} is not allowed: one of {', '.join(BACKENDS)}")
+            _usage_error(f"--backend={value!r} is not allowed: one of {', '.join(BACKENDS)}")
         opts[name[2:]] = value
     rest = argv[i:]
     if rest[:1] == ["-m"]:
         if len(rest) < 2:
-            _usage_error("run: -m needs a module name: hf-paged run -m module [args ...]")
+            _usage_error("-m needs a module name: hf-paged run -m module [args ...]")
+        if not _is_module(rest[1].partition(".")[0], os.getcwd()):  # as a missing script
+            _usage_error(f"module={rest[1]!r} is not allowed: no such module")
         return opts, rest[1], None, rest[2:]
     if not rest:
-        _usage_error("run: missing the program: hf-paged run script.py [args ...]")
+        _usage_error("missing the program: hf-paged run script.py [args ...]")
     if not os.path.isfile(rest[0]):
         hint = ""
         if rest[0].replace(".", "").replace("_", "").isalnum() and _is_module(rest[0]):
             hint = f"; {rest[0]!r} is a module: hf-paged run -m {' '.join(rest)}"
-        _usage_error(f"run: script={rest[0]!r} is not allowed: no such file{hint}")
+        _usage_error(f"script={rest[0]!r} is not allowed: no such file{hint}")
     return opts, None, rest[0], rest[1:]
 
 
-def _is_module(name: str) -> bool:
+def _is_module(name: str, first: str | None = None) -> bool:
+    """``name`` can be imported (with ``first`` at the front of the path, as ``python -m``
+    puts the working directory); a top-level name imports nothing to tell."""
+    saved = list(sys.path)
+    if first is not None:
+        sys.path.insert(0, first)
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+    finally:
+        sys.path[:] = saved
 
 
 def cmd_run(argv: list[str]) -> int:

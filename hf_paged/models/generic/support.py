@@ -90,6 +90,47 @@ def image_text_class(hf_config):
 _BIDIRECTIONAL_IMAGES = {"gemma3": "Gemma 3", "paligemma": "PaliGemma"}
 
 
+# transformers' task mappings whose classes are no causal LM: a checkpoint saved as one of them
+# (``BertModel``, ``T5ForConditionalGeneration``, ...) has no next-token head to generate with
+_NOT_CAUSAL_MAPPINGS = (
+    "MODEL_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES", "MODEL_FOR_PRETRAINING_MAPPING_NAMES",
+)  # fmt: skip
+
+
+def checkpoint_class_reason(hf_config) -> str | None:
+    """Why a checkpoint directory is no causal LM by the class it was saved as
+    (``config.architectures[0]``, e.g. ``BertModel``), or None. Only for checkpoints on disk:
+    an in-memory model is judged by its own class, whatever its config names.
+
+    Loading such a checkpoint as its family's causal LM (``BertLMHeadModel``) would start from
+    a head the checkpoint does not have, so it is refused before any weight is read.
+    """
+    from transformers.models.auto import modeling_auto
+
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        return None
+    name = archs[0]
+    generates = (
+        *modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
+        *modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values(),  # image_text_class
+    )
+    if name in generates:
+        return None
+    for mapping in _NOT_CAUSAL_MAPPINGS:
+        classes = getattr(modeling_auto, mapping, {}).values()
+        if any(name == c or (isinstance(c, tuple) and name in c) for c in classes):
+            return (
+                f"{name!r} is not a transformers causal LM (the checkpoint was saved as "
+                f"{name}, not in MODEL_FOR_CAUSAL_LM_MAPPING): it has no next-token head to "
+                "generate with"
+            )
+    return None
+
+
 def static_reason(hf_config) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
     or None. What depends on the engine's ``max_model_len`` (``length_reason``) is checked when

@@ -66,7 +66,7 @@ def test_generate_json_lines_equal_llm(ckpt, tmp_path, capsys):
     code, out, err = run_cli(
         capsys, "generate", ckpt, "--prompt", "Hello", "--prompt", "ab",
         "--prompts-file", str(prompts_file), "--max-tokens", "6", "--temperature", "0",
-        *ENGINE_ARGS,
+        "--in-order", *ENGINE_ARGS,
     )  # fmt: skip
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
@@ -75,12 +75,13 @@ def test_generate_json_lines_equal_llm(ckpt, tmp_path, capsys):
         ref = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert rows == [
         {
+            "index": i,
             "prompt": p,
             "text": r.outputs[0].text,
             "token_ids": r.outputs[0].token_ids,
             "finish_reason": r.outputs[0].finish_reason,
         }
-        for p, r in zip(prompts, ref, strict=True)
+        for i, (p, r) in enumerate(zip(prompts, ref, strict=True))
     ]
 
 
@@ -91,7 +92,8 @@ def test_generate_seeded_sampling_equals_llm(ckpt, capsys):
         *ENGINE_ARGS,
     )  # fmt: skip
     assert code == 0, err
-    got = [json.loads(line)["token_ids"] for line in out.splitlines()]
+    rows = sorted(map(json.loads, out.splitlines()), key=lambda row: row["index"])
+    got = [row["token_ids"] for row in rows]
     with LLM(ckpt, num_kv_blocks=64, kv_block_size=4, device="cpu") as llm:
         params = [
             SamplingParams(max_tokens=5, temperature=0.9, top_k=20, top_p=0.9, seed=11 + i)
@@ -114,9 +116,10 @@ def test_generate_seeded_sampling_equals_llm(ckpt, capsys):
         (["generate", "{ckpt}", "--prompt", "x", "--dtype", "int8"], r"--dtype: invalid choice: 'int8'"),
         (["bench", "{ckpt}", "--min-output-len", "9", "--max-output-len", "3"], r"--max-output-len=3 is not allowed: must be >= --min-output-len=9"),
         (["bench", "{ckpt}", "--num-requests", "0"], r"--num-requests=0 is not allowed"),
-        (["run"], r"run: missing the program"),
-        (["run", "/no/script.py"], r"script='/no/script.py' is not allowed: no such file"),
+        (["run"], r"run: error: missing the program"),
+        (["run", "/no/script.py"], r"run: error: script='/no/script.py' is not allowed: no such file"),
         (["run", "-m"], r"-m needs a module name"),
+        (["run", "-m", "no_such_module_here"], r"run: error: module='no_such_module_here' is not allowed: no such module"),
         (["run", "--fast", "x.py"], r"option '--fast' is not allowed: options are --report, --timings FILE, --backend paged\|hf, -m"),
         (["run", "--backend", "vllm", "x.py"], r"--backend='vllm' is not allowed: one of paged, hf"),
         (["run", "--timings"], r"--timings needs a value"),
