@@ -61,8 +61,9 @@ def add_parser(sub) -> None:
                    help="write the lines in input order, each once all before it are written "
                    "(default: off: as requests finish)")  # fmt: skip
     g.add_argument("--lora", action="append", metavar="NAME=PATH",
-                   help="a LoRA adapter saved by PEFT (repeatable); see the module docstring "
-                   "(default: none)")  # fmt: skip
+                   help="a LoRA adapter saved by PEFT (repeatable): with one, every prompt "
+                   'runs under it; with several, a --prompts-file JSON line picks one with '
+                   '"lora": NAME (default: none)')  # fmt: skip
     g.add_argument("--max-lora-rank", type=int, metavar="R",
                    help="LoRA slot rank (default: 16)")  # fmt: skip
     add_engine_options(g)
