@@ -30,10 +30,12 @@ Change is detected three ways, none trusted alone:
    ``.data`` that leaves every probed element alone is not seen: ``hf_paged.release(model)``
    after it.
 
+The hook and the probe are ``weight_stamp.py``'s, shared with the LoRA slots' adapter keys.
+
 Costs per call: one pass over the parameters' attributes (the layout key) and one gather of
 ``PROBE_ELEMENTS`` elements per parameter (about 6 ms for a 135M model's 272 parameters on a
 loaded CPU); per optimizer step, one dictionary lookup per parameter of its groups. The hook is
-registered with the first watch and removed with the last.
+held by every watch and removed with the last holder.
 
 An engine built from a checkpoint directory (a tensor-parallel one, each rank holding its shard)
 has no model to watch: ``LLM.update_weights`` sends it new weights, every rank copying its part.
@@ -47,62 +49,8 @@ import weakref
 import torch
 from torch import nn
 
-from hf_paged.models import peft
+from hf_paged.models import peft, weight_stamp
 from hf_paged.models.adapters import peft_lora
-
-PROBE_ELEMENTS = 4  # per parameter: its first, last and two between
-
-_watches: weakref.WeakSet[WeightWatch] = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_handle = None  # torch's handle of the step hook, held while a watch lives
-_live = 0  # watches alive: the hook is removed with the last one (the host as it was found)
-
-
-def _on_optimizer_step(optimizer, args, kwargs) -> None:
-    """Mark the stepped parameters in every watch that follows them."""
-    if not _watches:
-        return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for watch in list(_watches):
-        watch.mark(ids)
-
-
-def _install_hook() -> None:
-    global _hook_handle, _live
-    with _hook_lock:
-        _live += 1
-        if _hook_handle is None:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            _hook_handle = register_optimizer_step_post_hook(_on_optimizer_step)
-
-
-def _release_hook() -> None:
-    global _hook_handle, _live
-    with _hook_lock:
-        _live -= 1
-        if _live == 0 and _hook_handle is not None:
-            _hook_handle.remove()
-            _hook_handle = None
-
-
-def hook_installed() -> bool:
-    """The optimizer step hook is registered (while any watch lives)."""
-    return _hook_handle is not None
-
-
-def live_watches() -> int:
-    """Watches alive in this process (each follows one model for its engine)."""
-    return _live
-
-
-def _probe_index(p: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the probed elements: first, last and evenly between (integer math: a
-    float32 linspace rounds past the end of a large tensor)."""
-    n = p.numel()
-    k = min(PROBE_ELEMENTS, n)
-    idx = [i * (n - 1) // (k - 1) for i in range(k)] if k > 1 else [0] * k
-    return torch.tensor(idx, dtype=torch.long, device=p.device)
 
 
 class WeightWatch:
@@ -117,24 +65,22 @@ class WeightWatch:
     """
 
     def __init__(self, model: nn.Module, lora_slots: bool = False):
-        _install_hook()
+        weight_stamp.hold_hook(self)  # fused steps: ``mark``
         model = peft.unwrap(model)
         self._slots = lora_slots
         self._params = {n: p for n, p in model.named_parameters()  # tied ones once
                         if not (lora_slots and peft_lora.is_adapter_parameter(n))}  # fmt: skip
         self._served = peft.served_names(model)  # param name -> served names it feeds
         self._by_id = {id(p): n for n, p in self._params.items()}
-        self._index = {n: _probe_index(p) for n, p in self._params.items()}
-        # probe order: grouped by device (one copy to the host per device)
-        self._order = sorted(self._params, key=lambda n: str(self._params[n].device))
+        self._index = {n: weight_stamp.probe_index(p) for n, p in self._params.items()}
+        self._order = list(self._params)  # the probe's order
         self._layout = self.layout_key(model, lora_slots)
         self._marked: set[str] = set()
         self._mark_lock = threading.Lock()
         self._versions: dict[str, int] = {}
         self._probe: torch.Tensor | None = None
         self.synced()
-        _watches.add(self)
-        weakref.finalize(self, _release_hook)
+        weakref.finalize(self, weight_stamp.release_hook)
 
     @staticmethod
     def layout_key(model: nn.Module, lora_slots: bool = False) -> tuple:
@@ -162,14 +108,9 @@ class WeightWatch:
                 self._marked.update(hit)
 
     def _gather(self) -> torch.Tensor:
-        """[sum of probe sizes] fp32 on the CPU: one gather per parameter, one copy per device."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for n in self._order:
-            p = self._params[n]
-            part = p.detach().reshape(-1)[self._index[n]].float()
-            by_device.setdefault(p.device, []).append(part)
-        parts = [torch.cat(ps).cpu() for ps in by_device.values()]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        """[sum of probe sizes] fp32 on the CPU, in ``_order`` (``weight_stamp.gather``)."""
+        return weight_stamp.gather([self._params[n] for n in self._order],
+                                   [self._index[n] for n in self._order])  # fmt: skip
 
     def changed(self) -> set[str]:
         """Served names whose values may differ from the last sync (hook marks, version

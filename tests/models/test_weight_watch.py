@@ -202,7 +202,7 @@ def test_watch_names_what_changed_and_nothing_else():
     """The watch alone: nothing changed -> nothing named; a fused step names the stepped
     parameters only (the hook); ``.data`` writes are named by the probe; a LoRA factor names
     the merged weight it feeds; a replaced parameter is a layout change."""
-    from hf_paged.models import weight_watch
+    from hf_paged.models import weight_stamp
     from hf_paged.models.weight_watch import WeightWatch
 
     model = build_hf_model("llama", seed=0)
@@ -218,12 +218,12 @@ def test_watch_names_what_changed_and_nothing_else():
     assert watch.changed() == {"model.norm.weight"}
     model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
     assert watch.layout_changed(model)
-    assert weight_watch.hook_installed()
-    live = weight_watch.live_watches()
+    assert weight_stamp.hook_installed()
+    live = weight_stamp.holders()
     del watch
     gc.collect()
-    assert weight_watch.live_watches() == live - 1
-    assert weight_watch.hook_installed() == (live > 1)  # removed with the last watch
+    assert weight_stamp.holders() == live - 1
+    assert weight_stamp.hook_installed() == (live > 1)  # removed with the last holder
 
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(build_hf_model("llama", seed=0),

@@ -117,12 +117,18 @@ def from_peft_layers(name: str, tuners: dict, adapters: tuple[str, ...] | None) 
 
 
 def _fast_digest(per: dict[str, list[LoraFactors]]) -> str:
-    """The digest of a live adapter, cached by its tensors' storage and in-place versions: the
-    bytes are hashed again only after a write."""
+    """The digest of a live adapter, cached by a stamp of its tensors that moves on any write:
+    storage and in-place versions, the optimizer steps seen (fused steps bump no version) and a
+    probe of a few elements of each factor (writes through ``.data``; ``models/weight_stamp.py``).
+    The bytes are hashed again only when the stamp moved."""
+    from hf_paged.models import weight_stamp
+
+    keys = sorted(per)
     stamp = tuple(
         (k, f.scale, f.a.data_ptr(), f.a._version, f.b.data_ptr(), f.b._version, f.a.dtype)
-        for k in sorted(per) for f in per[k]
-    )  # fmt: skip
+        for k in keys for f in per[k]
+    ) + (weight_stamp.optimizer_steps(),
+         weight_stamp.probe([t for k in keys for f in per[k] for t in (f.a, f.b)]))  # fmt: skip
     digest = _DIGESTS.get(stamp)
     if digest is None:
         digest = digest_of({k: fs[0] for k, fs in per.items()})
