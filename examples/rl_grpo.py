@@ -12,7 +12,8 @@ sampled rollouts are just as current, but draw other samples than stock (docs/rl
 
 A tiny random model and a character tokenizer are built locally (nothing is downloaded), so the
 completions are gibberish. ``--lora`` trains a LoRA adapter instead of the whole model (TRL's
-``peft_config``): the engine serves the adapter merged, refreshed after each step. ``--out FILE``
+``peft_config``): the engine serves the adapter from its LoRA slots, the new factors loaded after
+each step. ``--out FILE``
 writes each step's completions as JSON lines.
 """
 
