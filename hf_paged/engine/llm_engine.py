@@ -325,6 +325,29 @@ class LLMEngine:
             )
         return out
 
+    def request_states(self, request_ids: list) -> list[dict[str, torch.Tensor]]:
+        """Every recurrent layer's states of the requests (``{name: [N, *shape]}`` per layer,
+        in the mixers' order), read from their state-pool slots: a paused external-sampling
+        request's state after every token it holds. Empty for a model without recurrent layers.
+
+        Raises:
+            ValueError: with tensor parallelism, or a request unknown or holding no slot.
+        """
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError("request_states reads rank 0's states only: tensor_parallel_size=1")
+        pool = self.executor.runner.state_pool
+        if pool is None:
+            return []
+        slots = []
+        for rid in request_ids:
+            req = self.requests.by_id.get(rid)
+            if req is None or len(req.seqs) != 1 or not req.seqs[0].state_slot:
+                raise ValueError(f"request_id={rid!r} holds no state slot")
+            slots.append(req.seqs[0].state_slot)
+        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
+        return [{name: t.index_select(0, index) for name, t in layer.items()}
+                for layer in pool.layers]  # fmt: skip
+
     # ---- driving requests ---------------------------------------------------------------
 
     def request_group(self) -> RequestGroup:

@@ -19,12 +19,19 @@ def grown_mask(mask: torch.Tensor, length: int, rows: int) -> torch.Tensor:
 
 def assert_same_cache(stock, paged, mask: torch.Tensor, tol: float = 1e-5) -> None:
     """Same class, layer classes, lengths and shapes; K and V within ``tol`` where ``mask``
-    ``[N, S]`` attends (a sliding layer keeps the last positions, a static one the first)."""
+    ``[N, S]`` attends (a sliding layer keeps the last positions, a static one the first); a
+    recurrent layer's conv and recurrent states within ``tol``."""
     assert type(paged) is type(stock)
     assert [type(a) for a in paged.layers] == [type(a) for a in stock.layers]
     assert int(paged.get_seq_length()) == int(stock.get_seq_length()) == mask.shape[1]
     for a, b in zip(stock.layers, paged.layers, strict=True):
-        if not hasattr(a, "keys"):  # a recurrent layer (a hybrid's call ran stock)
+        if hasattr(a, "conv_states"):  # a recurrent layer: its states, rows in the batch order
+            for x, y in (*zip(a.conv_states, b.conv_states), *zip(a.recurrent_states,
+                                                                    b.recurrent_states)):  # fmt: skip
+                assert (x is None) == (y is None)
+                if x is not None:
+                    torch.testing.assert_close(y, x, atol=tol, rtol=tol)
+        if getattr(a, "keys", None) is None:
             continue
         assert a.keys.shape == b.keys.shape and a.values.shape == b.values.shape
         n = a.keys.shape[-2]

@@ -50,3 +50,8 @@ def test_request_kv_of_an_unknown_request_is_named(hf_and_engine):
     _, engine = hf_and_engine
     with pytest.raises(ValueError, match="request_id='nope'"):
         engine.request_kv(["nope"])
+
+
+def test_request_states_of_a_model_without_recurrent_layers_is_empty(hf_and_engine):
+    _, engine = hf_and_engine
+    assert engine.request_states(["any"]) == []  # the hybrid's: test_returned_cache.py

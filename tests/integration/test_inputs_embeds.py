@@ -54,13 +54,16 @@ def test_inputs_embeds_return_stocks_scores_and_cache(family_model, refusals):
     kw = dict(inputs_embeds=_embeds(model, ids), attention_mask=mask, max_new_tokens=NEW,
               do_sample=False, return_dict_in_generate=True, output_scores=True)  # fmt: skip
     stock, paged = _both(model, **kw)
-    assert refusals == (["recurrent_cache"] if recurrent_modules(model) else [])
+    assert refusals == []
     assert torch.equal(paged.sequences, stock.sequences)
     for x, y in zip(stock.scores, paged.scores, strict=True):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
     length = int(stock.cache.get_seq_length())  # the embedded prompt + new tokens but the last
     assert length == ids.shape[1] + NEW - 1
-    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, 2))
+    # the hybrid's chunked Gated DeltaNet sums in another order than stock's: on random rows its
+    # later layers' K and V differ by a few 1e-5
+    tol = 1e-4 if recurrent_modules(model) else 1e-5
+    assert_same_cache(stock.cache, paged.cache, grown_mask(mask, length, 2), tol=tol)
 
 
 def test_inputs_embeds_with_beams_run_stock(family_models, refusals):

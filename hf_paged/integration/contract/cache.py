@@ -43,6 +43,12 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
+from hf_paged.integration.contract.states import (
+    layer_kinds,
+    put_states,
+    recurrent_refusal,
+    stock_states,
+)
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.prepare import CACHE_KWARGS, PreparedCall
 
@@ -72,6 +78,8 @@ class CacheContract:
     cache: object | None  # stock's cache object to fill (the caller's, when passed), or None
     passed: bool  # the caller's cache: filled in place even without return_dict_in_generate
     fill: bool  # the call must fill ``cache`` (it is returned or was passed)
+    # per stock cache layer: ("kv", engine KV layer) or ("state", recurrent layer) when filled
+    kinds: list = dataclasses.field(default_factory=list)
 
 
 def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContract:
@@ -100,11 +108,13 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
     if cache is not None:
         _set_up_compiled_forward(model, gen, cache)
     fill = cache is not None and (passed is not None or wants)
+    kinds = []
     if fill:
         refusal = _engine_refusal(model, engine_of())
         if refusal is not None:
             raise PagedFallback(*refusal)
-    return CacheContract(cache, passed is not None, fill)
+        kinds = layer_kinds(model, model.config.get_text_config(decoder=True).num_hidden_layers)
+    return CacheContract(cache, passed is not None, fill, kinds)
 
 
 def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, str] | None:
@@ -112,14 +122,9 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
     gen = call.generation_config
     if passed is None and not wants:
         return None
-    from hf_paged.models.recurrent.registry import recurrent_modules
-
-    found = recurrent_modules(model)
-    if found:
-        return "recurrent_cache", (
-            f"the cache of a model with recurrent layers ({type(found[0][1]).__name__}) holds "
-            "their conv and recurrent states"
-        )
+    refusal = recurrent_refusal(model, passed is not None)
+    if refusal is not None:
+        return refusal
     if passed is not None:
         if call.prompt_embeds is not None:
             return "past_key_values", "a cache was passed with inputs_embeds or images"
@@ -163,9 +168,10 @@ def _engine_refusal(model, engine) -> tuple[str, str] | None:
     specs = _kv_specs(engine)
     text = model.config.get_text_config(decoder=True)
     layers = getattr(text, "num_hidden_layers", None)
-    if specs is not None and len(specs) != layers:
+    kv_layers = sum(kind == "kv" for kind, _ in layer_kinds(model, layers or 0))
+    if specs is not None and len(specs) != kv_layers:
         return "returned_cache_layers", (
-            f"the engine has {len(specs)} KV layers for stock's {layers} cache layers"
+            f"the engine has {len(specs)} KV layers for stock's {kv_layers} attention layers"
         )
     return None
 
@@ -215,7 +221,7 @@ def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
     if not length:
         return
     mask = call.attention_mask[:, :length].bool()  # [N, P]
-    ours = padded_kv(engine, call.input_ids[:, :length], mask)
+    ours, _ = padded_kv(engine, call.input_ids[:, :length], mask)
     tol = 1e-3 if ours[0][0].dtype == torch.float32 else 3e-2
     for layer, (k, v) in zip(cache.layers, ours, strict=False):
         n = layer.keys.shape[-2]  # a sliding layer keeps the last ``n`` positions
@@ -252,23 +258,26 @@ def fill(contract: CacheContract, engine, sequences: torch.Tensor, call: Prepare
     n, total = sequences.shape
     grown = torch.ones(n, total - prompt_mask.shape[1], dtype=torch.bool, device=prompt_mask.device)
     mask = torch.cat([prompt_mask.bool(), grown], dim=1)[:, : total - 1]  # [N, S]
-    kv = padded_kv(engine, sequences[:, : total - 1], mask, call.prompt_embeds)
+    kv, states = padded_kv(engine, sequences[:, : total - 1], mask, call.prompt_embeds)
     cache = contract.cache
     cache.reset()
-    for j, (k, v) in enumerate(kv):
-        cache.update(k, v, j)
+    for idx, (kind, j) in enumerate(contract.kinds):
+        if kind == "kv":
+            cache.update(kv[j][0], kv[j][1], idx)
+        else:
+            put_states(cache, idx, states[j], total - 1)
     return cache
 
 
-def padded_kv(
-    engine, ids: torch.Tensor, mask: torch.Tensor, prompt_embeds: list | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every KV layer's ``(k [N, H, S, D], v [N, H, S, Dv])`` for ``ids`` ``[N, S]``: the
-    engine's KV of each row's attended tokens at their positions, zeros at masked ones
-    (``prompt_embeds``: per row, the rows its first attended positions take)."""
+def padded_kv(engine, ids: torch.Tensor, mask: torch.Tensor, prompt_embeds: list | None = None):
+    """``(kv, states)`` for ``ids`` ``[N, S]``: every KV layer's ``(k [N, H, S, D],
+    v [N, H, S, Dv])``, the engine's KV of each row's attended tokens at their positions, zeros
+    at masked ones (``prompt_embeds``: per row, the rows its first attended positions take); and
+    every recurrent layer's states in stock's form (``states.py``; empty without such layers)."""
     mask = mask.bool().cpu()
     rows = [r[k].tolist() for r, k in zip(ids.cpu(), mask, strict=True)]
-    flat = _rows_kv(engine, rows, prompt_embeds or [None] * len(rows))  # rows one after another
+    # rows one after another
+    flat, states = _rows_kv(engine, rows, prompt_embeds or [None] * len(rows))
     row_idx, pos_idx = mask.nonzero(as_tuple=True)  # row-major: the order of ``flat``
     n, s = mask.shape
     out = []
@@ -280,20 +289,20 @@ def padded_kv(
         kk[r, :, p] = k  # [T, H, D] into [N, H, S, D]
         vv[r, :, p] = v
         out.append((kk, vv))
-    return out
+    return out, states
 
 
-def _rows_kv(
-    engine, rows: list[list[int]], embeds: list
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _rows_kv(engine, rows: list[list[int]], embeds: list):
     """``engine.request_kv`` of ``rows`` run as external-sampling requests that pause after
-    their prefill, holding their blocks, in as many groups as the KV cache holds at once."""
+    their prefill, holding their blocks, in as many groups as the KV cache (and the state
+    slots) hold at once; and their recurrent states (``states.stock_states``)."""
     size = engine.config.kv_block_size
     room = max(1, engine.runtime.num_kv_blocks // 2)
+    slots = getattr(engine.runtime, "num_state_slots", 0) or len(rows)
     groups, current, used = [], [], 0
     for i, r in enumerate(rows):
         blocks = -(-len(r) // size)
-        if current and used + blocks > room:
+        if current and (used + blocks > room or len(current) == slots):
             groups.append(current)
             current, used = [], 0
         current.append(i)
@@ -303,8 +312,11 @@ def _rows_kv(
     parts = [p for p in parts if p]
     if len(parts) == 1:
         return parts[0]
-    return [(torch.cat([p[j][0] for p in parts]), torch.cat([p[j][1] for p in parts]))
-            for j in range(len(parts[0]))]  # fmt: skip
+    kv = [(torch.cat([p[0][j][0] for p in parts]), torch.cat([p[0][j][1] for p in parts]))
+          for j in range(len(parts[0][0]))]  # fmt: skip
+    states = [{name: torch.cat([p[1][j][name] for p in parts]) for name in parts[0][1][j]}
+              for j in range(len(parts[0][1]))]  # fmt: skip
+    return kv, states
 
 
 def _grown(pe, length: int):
@@ -319,23 +331,47 @@ def _grown(pe, length: int):
     return dataclasses.replace(pe, positions=torch.cat([pos, tail], dim=1))
 
 
+def _last_is_an_id(pe, length: int) -> bool:
+    """The last of ``length`` tokens is fed by its id, not a row of ``pe`` (so it can be given
+    as a token after the rest ran)."""
+    return pe is None or all(r.offset + r.length < length for r in pe.ranges)
+
+
 def _group_kv(engine, rows: list[tuple[list[int], object]]):
+    """``(kv, states)`` of one group of rows. With recurrent layers a row of two tokens or more
+    runs in two steps (``states.py``): all but its last token, then the last one."""
     if not rows:
         return None
-    params = SamplingParams(temperature=0.0, max_tokens=1)
+    recurrent = bool(getattr(engine.runtime, "num_state_slots", 0))
+    two_steps = [recurrent and len(r) > 1 and _last_is_an_id(pe, len(r)) for r, pe in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=2)  # a provided token must not end it
+    budget = sum(len(r) for r, _ in rows) + 16
     with engine.request_group() as group:
         rids = [
             group.add(
-                EngineRequest(r, params, external_sampling=True, prompt_embeds=_grown(pe, len(r)))
-            )
-            for r, pe in rows
+                EngineRequest(
+                    r[:-1] if two else r,
+                    params,
+                    external_sampling=True,
+                    prompt_embeds=_grown(pe, len(r) - two),
+                )
+            )  # fmt: skip
+            for (r, pe), two in zip(rows, two_steps, strict=True)
         ]
-        group.await_logits([(rid, 0) for rid in rids], sum(len(r) for r, _ in rows) + 16)
+        group.await_logits([(rid, 0) for rid in rids], budget)
+        states = []
+        if recurrent:
+            first = engine.request_states(rids)
+            for rid, (r, _), two in zip(rids, rows, two_steps, strict=True):
+                if two:
+                    engine.provide_token(rid, r[-1])
+            group.await_logits([(rid, 0) for rid, two in zip(rids, two_steps) if two], budget)
+            states = stock_states(first, engine.request_states(rids), two_steps)
         kv = engine.request_kv(rids)
         for rid in rids:
             group.close(rid)
         group.drain()
-    return kv
+    return kv, states
 
 
 __all__ = [
