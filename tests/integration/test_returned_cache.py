@@ -1,8 +1,8 @@
 """The cache a paged ``generate`` call returns and takes, against stock's in fp32, for the four
 families of ``family_model`` (conftest.py): native Llama, a generic-path model with sliding
 layers (Gemma 2), an MoE (Qwen3-MoE) and a hybrid with Gated DeltaNet layers (Qwen3.5: its
-returned cache holds their conv and recurrent states; a cache passed in to it runs stock by
-name). Contents compare at attended positions (``testing/caches.py``)."""
+cache holds their conv and recurrent states). Contents compare at attended positions
+(``testing/caches.py``)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,6 @@ NEW = 5
 def _batch(model, lengths=(1, 6)):
     vocab = model.config.vocab_size
     return left_pad([[t % vocab for t in p] for p in make_prompts(list(lengths), seed=3)])
-
-
-def _passed_reasons(model) -> list[str]:
-    """A cache passed in to a hybrid (conv / recurrent states) runs stock by name."""
-    return ["recurrent_cache"] if recurrent_modules(model) else []
 
 
 def _both(model, **kw):
@@ -67,7 +62,7 @@ def test_continuing_from_the_returned_cache(family_model, refusals):
     s2 = model.generate(torch.cat([stock.sequences, more], 1), cache=stock.cache, **kw)
     p2 = model.generate(torch.cat([paged.sequences, more], 1), cache=paged.cache, **kw,
                         backend="paged")  # fmt: skip
-    assert refusals == _passed_reasons(model)  # the first call returned it: served
+    assert refusals == []
     assert torch.equal(p2.sequences, s2.sequences)
     for x, y in zip(s2.scores, p2.scores, strict=True):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
@@ -78,10 +73,10 @@ def test_multi_turn_chat_feeding_the_cache_back(family_model, refusals):
     model = family_model
     """Three turns, one cache per side fed back every turn (filled in place, as stock fills it):
     served paged and equal to stock at every turn."""
-    if recurrent_modules(model):
-        pytest.skip("a cache passed in to a hybrid runs stock by name (the test above)")
     vocab = model.config.vocab_size
-    caches = {"stock": DynamicCache(), "paged": DynamicCache()}
+    # stock's hybrid layers need the config to know which layers are recurrent
+    config = {"config": model.config} if recurrent_modules(model) else {}
+    caches = {"stock": DynamicCache(**config), "paged": DynamicCache(**config)}
     seqs = dict.fromkeys(caches, torch.tensor([[t % vocab for t in make_prompts([5], seed=1)[0]]]))
     for turn in range(3):
         outs = {}
@@ -93,7 +88,11 @@ def test_multi_turn_chat_feeding_the_cache_back(family_model, refusals):
         for x, y in zip(outs["stock"].scores, outs["paged"].scores, strict=True):
             torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
         length = outs["stock"].sequences.shape[1] - 1
-        assert_same_cache(caches["stock"], caches["paged"], torch.ones(1, length, dtype=torch.bool))
+        # the hybrid's recurrent states are summed chunk-wise by the engine, step by step by
+        # stock: three turns in, a few of its K / V values differ by 2e-5
+        tol = 1e-4 if recurrent_modules(model) else 1e-5
+        ones = torch.ones(1, length, dtype=torch.bool)
+        assert_same_cache(caches["stock"], caches["paged"], ones, tol=tol)
         user = torch.tensor([[t % vocab for t in make_prompts([3], seed=10 + turn)[0]]])
         seqs = {side: torch.cat([out.sequences, user], 1) for side, out in outs.items()}
     assert refusals == []

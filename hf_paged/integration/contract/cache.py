@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
@@ -52,6 +52,8 @@ from hf_paged.integration.contract.states import (
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.prepare import CACHE_KWARGS, PreparedCall
 
+# the layers of a passed DynamicCache the engine's KV (and state slots) fill as stock fills them
+_SERVED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
 _SERVED_IMPLEMENTATIONS = (None, "dynamic", "static", "sliding_window", "hybrid", "hybrid_chunked")
 
 
@@ -134,9 +136,7 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
         if (
             type(passed) is not DynamicCache
             or passed.offloading
-            or not all(
-                type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in passed.layers
-            )
+            or not all(type(layer) in _SERVED_LAYERS for layer in passed.layers)
         ):
             return "past_key_values", f"a {name} with its own layers was passed in"
         if gen.cache_implementation is not None:
@@ -144,7 +144,7 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
         if gen.use_cache is False:
             return "past_key_values", "a cache was passed with use_cache=False"
         length, rows = passed.get_seq_length(), call.input_ids.shape[0]
-        if length and passed.layers[0].keys.shape[0] != rows:
+        if length and _batch_of(passed) != rows:
             return "past_key_values", f"the cache passed in holds another batch than {rows} rows"
         if length >= call.input_ids.shape[1]:
             return "past_key_values", "the cache passed in covers all of input_ids"
@@ -153,6 +153,17 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
             f"cache_implementation={gen.cache_implementation!r} stores its cache in a form "
             "(quantized or offloaded) the engine's KV blocks are not copied into"
         )
+    return None
+
+
+def _batch_of(cache) -> int | None:
+    """The rows a filled cache holds (its first attention or recurrent layer's)."""
+    for layer in cache.layers:
+        held = getattr(layer, "keys", None)
+        if held is None and getattr(layer, "conv_states", None):
+            held = layer.conv_states[0]
+        if held is not None and held.dim() > 1:
+            return held.shape[0]
     return None
 
 
@@ -210,34 +221,43 @@ def _set_up_compiled_forward(model, gen, cache) -> None:
 
 
 def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
-    """A passed cache holds the engine's KV of ``input_ids``' first tokens (what this model
-    computes for them), within the dtype's tolerance, at every attended position it keeps.
+    """A passed cache holds the engine's KV (and a hybrid's states) of ``input_ids``' first
+    tokens (what this model computes for them), within the dtype's tolerance, at every attended
+    position it keeps.
 
     Raises:
         PagedFallback: it holds something else (other tokens, another model's KV).
     """
     cache = contract.cache
-    length = cache.get_seq_length() if contract.passed else 0
+    length = int(cache.get_seq_length()) if contract.passed else 0
     if not length:
         return
     mask = call.attention_mask[:, :length].bool()  # [N, P]
-    ours, _ = padded_kv(engine, call.input_ids[:, :length], mask)
-    tol = 1e-3 if ours[0][0].dtype == torch.float32 else 3e-2
-    for layer, (k, v) in zip(cache.layers, ours, strict=False):
-        n = layer.keys.shape[-2]  # a sliding layer keeps the last ``n`` positions
-        keep = mask[:, length - n :]
-        for held, mine in (
-            (layer.keys, k[:, :, length - n :]),
-            (layer.values, v[:, :, length - n :]),
-        ):
-            a, b = held.transpose(1, 2)[keep], mine.transpose(1, 2)[keep].to(held)
-            scale = float(a.abs().max()) if a.numel() else 1.0
-            if not torch.allclose(a, b, rtol=tol, atol=tol * max(scale, 1.0)):
-                raise PagedFallback(
-                    "past_key_values",
-                    f"the cache passed in is not this model's KV of input_ids' first {length} "
-                    "tokens",
-                )
+    kv, states = padded_kv(engine, call.input_ids[:, :length], mask)
+    for idx, (kind, j) in enumerate(contract.kinds[: len(cache.layers)]):
+        layer = cache.layers[idx]
+        if kind == "state":
+            pairs = [(layer.conv_states[0], states[j]["conv"]),
+                     (layer.recurrent_states[0], states[j]["recurrent"])]  # fmt: skip
+        else:
+            n = layer.keys.shape[-2]  # a sliding layer keeps the last ``n`` positions
+            keep = mask[:, length - n :]
+            pairs = [(held.transpose(1, 2)[keep], mine[:, :, length - n :].transpose(1, 2)[keep])
+                     for held, mine in ((layer.keys, kv[j][0]), (layer.values, kv[j][1]))]  # fmt: skip
+        if not all(_close(held, mine) for held, mine in pairs):
+            raise PagedFallback(
+                "past_key_values",
+                f"the cache passed in is not this model's KV of input_ids' first {length} tokens",
+            )
+
+
+def _close(held: torch.Tensor | None, mine: torch.Tensor) -> bool:
+    """Equal within the dtype's tolerance, relative to the largest value held."""
+    if held is None or held.shape != mine.shape:
+        return False
+    tol = 1e-3 if held.dtype == torch.float32 else 3e-2
+    scale = float(held.abs().max()) if held.numel() else 1.0
+    return torch.allclose(held, mine.to(held), rtol=tol, atol=tol * max(scale, 1.0))
 
 
 def fill(contract: CacheContract, engine, sequences: torch.Tensor, call: PreparedCall):

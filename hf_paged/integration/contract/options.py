@@ -39,7 +39,8 @@ GENERATION_CONFIG_OPTIONS: dict[str, tuple[str, str]] = {
         "served | cache_implementation | recurrent_cache",
         "dynamic and static (and their sliding / hybrid forms) are returned as stock's class; "
         "'quantized' and 'offloaded' run stock when the cache is returned; 'paged' (transformers' "
-        "own continuous batching) always runs stock",
+        "own continuous batching) always runs stock; recurrent layers other than Gated DeltaNet "
+        "run stock when the cache is returned",
     ),
     "cache_config": (SERVED, "builds stock's cache for cache_implementation, as stock does"),
     "max_cache_len": (SERVED, "sizes the returned StaticCache, as stock sizes it"),
@@ -153,7 +154,8 @@ GENERATE_ARGUMENTS: dict[str, tuple[str, str]] = {
         "served | past_key_values | recurrent_cache",
         "a DynamicCache with input_ids holding the whole sequence is served and filled in place; "
         "a legacy tuple, another cache class or batch, a cache that is not this model's KV of "
-        "input_ids' first tokens, or a model with recurrent layers run stock",
+        "input_ids' first tokens, or a model with recurrent layers other than Gated DeltaNet run "
+        "stock",
     ),
     "inputs_embeds": (
         "served | inputs_embeds",

@@ -11,8 +11,7 @@ recurrent state are stock's other columns and state. Rows are independent of the
 zeroes pad positions' inputs, so a padded row's states are those of its attended tokens.
 
 Served mixers: Gated DeltaNet. Other recurrent layers (Mamba, short convolutions, lightning
-attention, RG-LRU) keep their states in layouts of their own and run stock by name, as does a
-cache passed in to a hybrid model.
+attention, RG-LRU) keep their states in layouts of their own and run stock by name.
 """
 
 from __future__ import annotations
@@ -26,15 +25,14 @@ _SERVED = {"gated_delta:GatedDeltaNetMixer"}  # mixers whose states map onto sto
 
 def recurrent_refusal(model, passed: bool) -> tuple[str, str] | None:
     """(reason, message) when a model's recurrent layers keep the call from returning or taking
-    stock's cache, or None (no recurrent layer, or only served ones and no cache passed in)."""
+    stock's cache (``passed``: one was passed in), or None (no recurrent layer, or served ones)."""
     found = recurrent_modules(model)
     if not found:
         return None
     name = type(found[0][1]).__name__
     unserved = sorted({type(m).__name__ for _, m in found if MIXERS.get(type(m).__name__)
                        not in _SERVED})  # fmt: skip
-    if passed or unserved or not all(isinstance(getattr(m, "layer_idx", None), int)
-                                     for _, m in found):  # fmt: skip
+    if unserved or not all(isinstance(getattr(m, "layer_idx", None), int) for _, m in found):
         what = "a cache passed in to" if passed else "the returned cache of"
         return "recurrent_cache", (
             f"{what} a model with recurrent layers ({(unserved or [name])[0]}) holds their conv "
