@@ -185,17 +185,22 @@ def test_a_vlm_call_returns_stocks_cache(family, refusals):
         dispatch.release(model)
 
 
-def test_recurrent_layers_of_other_kinds_run_stock_by_name(refusals):
-    """LFM2's short convolutions keep their state in a layout of their own: stock runs."""
+@pytest.mark.parametrize(
+    ("family", "reason"), [("lfm2", "recurrent_cache"), ("minimax", "returned_cache")]
+)
+def test_recurrent_layers_of_other_kinds_run_stock_by_name(family, reason, refusals):
+    """LFM2's short convolutions keep their state in a layout of their own; MiniMax builds its
+    own cache class in its forward: the calls that return the cache run stock."""
     from hf_paged.integration import dispatch
     from hf_paged.testing import SMALL_ENGINE, build_tiny
 
-    model = build_tiny("lfm2", seed=0)[1]
+    model = build_tiny(family, seed=0)[1]
     dispatch.configure(model, **SMALL_ENGINE)
     try:
         ids, mask = _batch(model)
         stock, paged = _both(model, input_ids=ids, attention_mask=mask)
-        assert refusals == ["recurrent_cache"]
+        assert refusals == [reason]
         assert torch.equal(paged.sequences, stock.sequences)
+        assert type(paged.cache) is type(stock.cache)
     finally:
         dispatch.release(model)

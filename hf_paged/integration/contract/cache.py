@@ -98,7 +98,11 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
     use_cache = gen.use_cache is not False
     wants = bool(gen.return_dict_in_generate) and use_cache
     default_ok = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
-    refusal = _call_refusal(model, call, passed, wants and default_ok)
+    if wants and not default_ok:  # stock's cache comes from the model's own forward
+        raise PagedFallback(
+            "returned_cache", f"{type(model).__name__} builds a cache of its own in its forward"
+        )
+    refusal = _call_refusal(model, call, passed, wants)
     if refusal is not None:
         raise PagedFallback(*refusal)
     if passed is not None:
