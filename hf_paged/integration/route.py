@@ -116,7 +116,8 @@ def route(
     if hit is not None:
         plan, rows_per_input, pad = hit
         ids = generate_kwargs["input_ids"].repeat_interleave(rows_per_input, dim=0)
-        return _native(ids, ids.tolist(), pad, plan, runtime_of())
+        embeds, ranges = _cached_plan_images(model, generate_kwargs, rows_per_input, runtime_of)
+        return _native(ids, ids.tolist(), pad, plan, runtime_of(), embeds=embeds, ranges=ranges)
     call = prepare_call(model, **generate_kwargs)
     _check_recurrent(model, call)
     if call.mm_inputs is not None:  # images: each row's features, from the engine's cache
@@ -207,6 +208,26 @@ def _image_embeds(model, call: PreparedCall, runtime) -> list:
                               runtime.encoder_cache)  # fmt: skip
     repeat = len(call.prompts) // len(per_input)
     return [e for e in per_input for _ in range(repeat)]
+
+
+def _cached_plan_images(model, generate_kwargs: dict, repeat: int, runtime_of):
+    """``(prompt embeds, bidirectional ranges)`` per row of a call whose plan came from the
+    cache (unpadded rows), from its own image inputs; ``(None, None)`` without any."""
+    from hf_paged.integration import multimodal
+    from hf_paged.integration.multimodal.image_blocks import row_ranges
+
+    if not multimodal.is_multimodal(model):
+        return None, None
+    keys = multimodal.multimodal_keys(model)
+    mm = {k: v for k, v in generate_kwargs.items() if k in keys and v is not None}
+    if not mm:
+        return None, None
+    ids = generate_kwargs["input_ids"]
+    mask = torch.ones_like(ids)
+    embeds = multimodal.prompt_embeds(model, ids, mask, mm, runtime_of().encoder_cache)
+    ranges = row_ranges(model, mask, mm)
+    embeds = [e for e in embeds for _ in range(repeat)]
+    return embeds, None if ranges is None else [r for r in ranges for _ in range(repeat)]
 
 
 def _image_ranges(model, call: PreparedCall) -> list | None:
