@@ -2,9 +2,10 @@
 
 lm-eval's own CLI runs twice, as subprocesses at once: stock ``python -m lm_eval --model
 hf-multimodal`` and ``hf-paged run -m lm_eval --model hf-multimodal``, on the task shipped in
-``tasks/tiny_vqa`` (20 docs, each with a 16x16 image generated from its seed) over the tiny
-Gemma 3 of ``hf_paged/testing/vlm_frontends.py`` saved with its processor. Gemma 3's processor
-expands its begin-of-image token, so lm-eval's ``<image>`` becomes ``image_string``.
+``examples/lm_eval_tasks/tiny_vqa`` (20 docs, each with a 16x16 image generated from its
+seed) over the tiny Gemma 3 of ``hf_paged/testing/vlm_frontends.py`` saved with its processor.
+Gemma 3's processor expands its begin-of-image token, so lm-eval's ``<image>`` becomes
+``image_string``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-
 from hf_paged.testing.vlm_frontends import save_gemma3  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks")
 
 
 def _cmd(model: str, out: str, paged: bool) -> list[str]:
