@@ -12,7 +12,8 @@ Each architecture ends as one of:
 The tiny models come from ``hf_paged.testing.vlm`` (its families with their own fields; any other
 family: the same text and vision sizes passed to its own config class), the image inputs from
 its ``image`` / ``batch`` (placeholder runs counted as stock's ``get_image_features`` gives
-rows). Rows: two images of different content and a text-only row, left padded.
+rows). Rows: two images of different content and a text-only row, left padded; run in one
+step and again with prefill chunks of 3 tokens (smaller than any image).
 
 ``python -m tests.models.coverage_vlm [--write FILE] [model_type ...]`` prints the table.
 """
@@ -30,6 +31,7 @@ import torch
 
 NEW = 6
 ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=160)
+CRAMPED = dict(ENGINE, max_num_batched_tokens=3, max_num_seqs=2)  # chunks < one image
 MAX_PARAMS = 20_000_000  # a family whose other sub-configs stay full size does not build tiny
 # families whose config and inputs follow a family of ``testing/vlm.py``: built with that
 # family's sizes (and these extra keys) in their own config class, images made as for it
@@ -135,13 +137,23 @@ def run_arch(model_type: str, class_name: str) -> VLMResult:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = model.generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                  pad_token_id=0, backend="paged", paged_config=ENGINE)  # fmt: skip
-        fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
-        got = out[:, kw["input_ids"].shape[1] :].tolist()
+            fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
+            got = out[:, kw["input_ids"].shape[1] :].tolist()
+            cramped = None
+            if not fell and got == ref:  # prefill chunks smaller than an image, same model
+                out = model.generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW,
+                                     do_sample=False, pad_token_id=0, backend="paged",
+                                     paged_config=CRAMPED)  # fmt: skip
+                cramped = out[:, kw["input_ids"].shape[1] :].tolist()
+                fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
             res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
         elif got != ref:
             bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
             res.status, res.detail = "failure", f"tokens differ in rows {bad}"
+        elif cramped != ref:
+            bad = [i for i, (a, b) in enumerate(zip(ref, cramped)) if a != b]
+            res.status, res.detail = "failure", f"prefill chunks of 3: tokens differ in rows {bad}"
         else:
             res.status, res.detail = "served", "identical"
     except Exception as e:  # noqa: BLE001  a paged call must never raise here

@@ -56,11 +56,14 @@ def resolve_hf_class(hf_config):
 
 # vision-language families whose stock merge (image features into placeholder runs, in
 # ``masked_scatter`` order) and positions the paged path reproduces, each checked token for token
-# against stock (tests/integration/multimodal); any other family runs stock by name until it is
-# checked the same way
+# against stock (tests/integration/multimodal; the second group by the coverage table,
+# tests/models/coverage_vlm.py: a left-padded batch with two images, in one step and in prefill
+# chunks smaller than an image); any other family runs stock by name until it is checked
 VERIFIED_IMAGE_TEXT = frozenset({
     "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3",
+    "aya_vision", "cohere2_vision", "got_ocr2", "pp_chart2table", "internvl", "qianfan_ocr",
+    "lighton_ocr", "llava_next_video", "video_llava", "vipllava", "qwen3_vl_moe", "shieldgemma2",
 })  # fmt: skip
 
 
