@@ -103,6 +103,9 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     accepts_stored_kv: bool = False  # may the caller write the KV cache before ``forward``?
     accepts_sinks: bool = False  # does ``forward`` take ``sinks=``?
+    # does ``forward`` honor ``meta.bidirectional_ranges`` / ``query_key_ends``? A step with
+    # ranges gives the layers of a backend that does not to the torch reference
+    accepts_bidirectional: bool = False
 
     def problem(self, spec: AttentionLayerSpec, dtype: torch.dtype, block_size: int) -> str | None:
         """Why this backend cannot compute a layer of ``spec`` (None = it can)."""

@@ -90,6 +90,7 @@ class TorchRefBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graph = False
     accepts_sinks = True
+    accepts_bidirectional = True
 
     def forward(
         self,

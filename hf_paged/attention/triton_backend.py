@@ -56,6 +56,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
     accepts_stored_kv = True  # the fused rotary kernel writes K/V (one launch fewer per layer)
     accepts_sinks = True
+    accepts_bidirectional = True
 
     def __init__(self, use_flash_prefill: bool = False) -> None:
         self.use_flash_prefill = use_flash_prefill  # prefer aten flash for pure prefill

@@ -15,6 +15,7 @@ from hf_paged.engine.core.outputs import RequestOutput
 from hf_paged.engine.core.request import EngineRequest, budget, resolve_max_tokens
 from hf_paged.engine.llm_engine import LLMEngine
 from hf_paged.entrypoints.lora_request import LoraResolver
+from hf_paged.entrypoints.multimodal_prompt import is_multimodal_prompt
 from hf_paged.integration.engine_owner import EngineOwner
 
 
@@ -24,6 +25,9 @@ class LLM:
     Args:
         model: checkpoint directory or a loaded HF causal-LM.
         tokenizer: optional; defaults to the one saved beside the checkpoint.
+        processor: a vision-language model's processor, for multimodal prompts
+            (``{"prompt": ..., "multi_modal_data": {"image": ...}}``); defaults to the one
+            saved beside the checkpoint (``model.name_or_path`` for a loaded model).
         **engine_kwargs: EngineConfig keys (``max_num_seqs``, ``num_kv_blocks``, ...).
 
     An in-memory model's weights are followed: values changed in place later (any optimizer
@@ -42,9 +46,12 @@ class LLM:
         ...     print(outs[0].text)
     """
 
-    def __init__(self, model, tokenizer=None, **engine_kwargs):
+    def __init__(self, model, tokenizer=None, processor=None, **engine_kwargs):
         config = EngineConfig.from_dict(engine_kwargs)  # bad keys fail before anything loads
         self._closed = False
+        self._processor = processor
+        self._vision = None  # (stock model, processor) for multimodal prompts, once needed
+        self._model_path = None if isinstance(model, torch.nn.Module) else model
         self._model = None  # a weak reference to an in-memory model
         self._loras = LoraResolver()
         if isinstance(model, torch.nn.Module):
@@ -230,9 +237,17 @@ class LLM:
                 )
         # validate everything before queueing
         max_len = self.engine.runtime.max_model_len
-        requests = [EngineRequest(ids, resolve_max_tokens(sp, len(ids), max_len), text,
-                                  proposer=proposer)
-                    for (text, ids), sp in zip(encoded or map(self._encode, prompts), params)]  # fmt: skip
+        requests = []
+        for p, enc, sp in zip(prompts, encoded or [None] * len(prompts), params):
+            if enc is None and is_multimodal_prompt(p):
+                fields = self._multimodal_fields(p)
+                sp = resolve_max_tokens(sp, len(fields["prompt_token_ids"]), max_len)
+                requests.append(EngineRequest(params=sp, prompt=p["prompt"], proposer=proposer,
+                                              **fields))  # fmt: skip
+                continue
+            text, ids = enc or self._encode(p)
+            requests.append(EngineRequest(ids, resolve_max_tokens(sp, len(ids), max_len), text,
+                                          proposer=proposer))  # fmt: skip
         for r, key in zip(requests, self._lora_keys(lora_request, len(requests)), strict=True):
             r.lora_key = key
         return requests
@@ -248,6 +263,37 @@ class LLM:
             adapter = row_adapters(model, 1)[0]
             return [None if adapter is None else self.engine.add_lora(adapter)] * num_prompts
         return self._loras.keys_for(self.engine, lora_request, num_prompts)
+
+    def _multimodal_fields(self, prompt: dict) -> dict:
+        """A multimodal prompt's request fields (``multimodal_prompt.py``). Raises ValueError
+        for a model that is not a vision-language model, and for a bad prompt."""
+        from hf_paged.entrypoints.multimodal_prompt import (
+            check_multimodal_prompt,
+            load_vision_side,
+            multimodal_request_fields,
+        )
+        from hf_paged.models.generic.support import image_text_class
+
+        if image_text_class(self.engine.hf_config) is None:
+            raise ValueError(
+                f"prompts=<dict with keys {sorted(map(str, prompt))}> is not allowed: "
+                "multi_modal_data needs a vision-language model (AutoModelForImageTextToText), "
+                f"and {type(self.engine.hf_config).__name__} is not one"
+            )
+        text, images = check_multimodal_prompt(prompt)
+        if self._vision is None:
+            model = self._model() if self._model is not None else None
+            if model is None:
+                model, processor = load_vision_side(self._model_path)
+            else:
+                processor = self._processor
+                if processor is None:
+                    from transformers import AutoProcessor
+
+                    processor = AutoProcessor.from_pretrained(model.name_or_path)
+            self._vision = (model, self._processor or processor)
+        model, processor = self._vision
+        return multimodal_request_fields(model, processor, self.engine, text, images)
 
     @property
     def stats(self) -> dict:

@@ -238,7 +238,7 @@ def _run(model, engine, call: PreparedCall, keep_rows: bool = False):
         keys = (call.lora_keys or [None] * len(call.prompts))[::k]  # the same for every beam
         rids = [
             batch.add(EngineRequest(p, params, external_sampling=True, beam_search=True,
-                                    prompt_embeds=call.request_embeds(i * k), lora_key=key))
+                                    **call.request_inputs(i * k), lora_key=key))
             for i, (p, key) in enumerate(zip(call.prompts[::k], keys, strict=True))
         ]  # fmt: skip
         live, num_slots = list(range(num_rows)), 1  # rows in the engine; beams per request

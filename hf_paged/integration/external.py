@@ -37,7 +37,7 @@ def run_external(engine, call):
         keys = call.lora_keys or [None] * n
         for i, (prompt, key) in enumerate(zip(call.prompts, keys, strict=True)):
             batch.add(EngineRequest(prompt, params, external_sampling=True,
-                                    prompt_embeds=call.request_embeds(i), lora_key=key))  # fmt: skip
+                                    **call.request_inputs(i), lora_key=key))  # fmt: skip
         if call.streamer is not None:
             call.streamer.put(input_ids.cpu())
         for step in range(call.max_new_tokens):

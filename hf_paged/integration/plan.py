@@ -310,6 +310,13 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "
 _SIMPLE = (int, float, str, bool, type(None))
 
 
+def _multimodal_keys(model) -> set[str]:
+    """A vision-language model's image keywords (nothing for a text model)."""
+    from hf_paged.integration import multimodal
+
+    return multimodal.multimodal_keys(model) if multimodal.is_multimodal(model) else set()
+
+
 class PlanCache:
     """Plans of calls that differ only in their prompt, keyed by everything else.
 
@@ -318,6 +325,8 @@ class PlanCache:
     then stock's processors and criteria depend on the prompt only through its width L, and every
     length they hold is L plus a constant (max_length = L + max_new_tokens, min new tokens), which
     the plan stores as the constant. Stop strings see no pads in such rows, whatever L is.
+    A vision-language model's image inputs (tensors) are keyed by name only: the plan does not
+    depend on them, and the route turns each call's own into its rows' features.
     """
 
     def __init__(self):
@@ -335,6 +344,8 @@ class PlanCache:
         if kwargs.get("min_length") or getattr(model.generation_config, "min_length", 0):
             return None
         items = []
+        mm_keys = _multimodal_keys(model) if any(
+            isinstance(v, torch.Tensor) for v in kwargs.values()) else set()  # fmt: skip
         for k, v in sorted(kwargs.items()):
             if k in ("input_ids", "attention_mask"):
                 continue
@@ -346,6 +357,8 @@ class PlanCache:
                 items.append((k, repr(v)))
             elif k == "tokenizer":  # the same object for the whole run (stop strings)
                 items.append((k, id(v)))
+            elif k in mm_keys and isinstance(v, torch.Tensor):  # the call's own images
+                items.append((k, "tensor"))
             else:  # a GenerationConfig, processors, criteria, a streamer: prepare every call
                 return None
         return (ids.shape[0], tuple(items))

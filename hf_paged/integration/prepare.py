@@ -79,10 +79,18 @@ class PreparedCall:
     # per row of ``prompts``: the LoRA adapter key it runs under (None: none); set by the call
     # once its engine registered the adapters (``paged_call.generate_paged``)
     lora_keys: list | None = None
+    # per row of ``prompts``: its bidirectional ranges (Gemma 3's images), set by the route
+    bidirectional_ranges: list | None = None
 
     def request_embeds(self, i: int):
         """Row ``i``'s prompt embeddings (None for a text-only call or row)."""
         return None if self.prompt_embeds is None else self.prompt_embeds[i]
+
+    def request_inputs(self, i: int) -> dict:
+        """Row ``i``'s ``EngineRequest`` fields beyond its ids: prompt embeddings and
+        bidirectional ranges."""
+        ranges = None if self.bidirectional_ranges is None else self.bidirectional_ranges[i]
+        return {"prompt_embeds": self.request_embeds(i), "bidirectional_ranges": ranges}
 
 
 def prepare_call(

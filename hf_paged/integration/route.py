@@ -116,11 +116,13 @@ def route(
     if hit is not None:
         plan, rows_per_input, pad = hit
         ids = generate_kwargs["input_ids"].repeat_interleave(rows_per_input, dim=0)
-        return _native(ids, ids.tolist(), pad, plan, runtime_of())
+        embeds, ranges = _cached_plan_images(model, generate_kwargs, rows_per_input, runtime_of)
+        return _native(ids, ids.tolist(), pad, plan, runtime_of(), embeds=embeds, ranges=ranges)
     call = prepare_call(model, **generate_kwargs)
     _check_recurrent(model, call)
     if call.mm_inputs is not None:  # images: each row's features, from the engine's cache
         call.prompt_embeds = _image_embeds(model, call, runtime_of())
+        call.bidirectional_ranges = _image_ranges(model, call)
     if call.from_inputs_embeds and (call.beams or call.assisted):
         raise PagedFallback(
             "inputs_embeds", "inputs_embeds with beam search or assisted decoding"
@@ -148,7 +150,7 @@ def route(
         plan = dataclasses.replace(plan, spec=spec)
     native = _native(
         call.input_ids, call.prompts, call.pad_token_id, plan, runtime, call.assistant_model, drafts,
-        call.prompt_embeds,
+        call.prompt_embeds, call.bidirectional_ranges,
     )  # fmt: skip
     native.call = call
     if key is not None:
@@ -158,7 +160,8 @@ def route(
 
 
 def _native(input_ids, prompts, pad_token_id, plan: NativePlan, runtime, assistant=None,
-            drafts: DraftHold | None = None, embeds: list | None = None) -> Native:  # fmt: skip
+            drafts: DraftHold | None = None, embeds: list | None = None,
+            ranges: list | None = None) -> Native:  # fmt: skip
     """The rows' requests, with the plan's proposer if it has one. Seeds for sampled rows are
     drawn now from torch's global RNG (so ``torch.manual_seed`` reproduces a call, as it does
     stock's)."""
@@ -167,10 +170,12 @@ def _native(input_ids, prompts, pad_token_id, plan: NativePlan, runtime, assista
     seeds = torch.randint(0, 2**62, (n,)).tolist() if plan.temperature > 0 else [None] * n
     matcher = plan.stop_strings
     embeds = embeds if embeds is not None else [None] * n
+    ranges = ranges if ranges is not None else [None] * n
     requests = [
-        EngineRequest(p, plan.sampling_params(s), stop_strings=matcher, prompt_embeds=e)
-        for p, s, e in zip(prompts, seeds, embeds, strict=True)
-    ]
+        EngineRequest(p, plan.sampling_params(s), stop_strings=matcher, prompt_embeds=e,
+                      bidirectional_ranges=r)
+        for p, s, e, r in zip(prompts, seeds, embeds, ranges, strict=True)
+    ]  # fmt: skip
     native = Native(input_ids, prompts, pad_token_id, plan, requests)
     if plan.spec is not None:
         _attach_proposer(native, assistant, drafts)
@@ -203,6 +208,38 @@ def _image_embeds(model, call: PreparedCall, runtime) -> list:
                               runtime.encoder_cache)  # fmt: skip
     repeat = len(call.prompts) // len(per_input)
     return [e for e in per_input for _ in range(repeat)]
+
+
+def _cached_plan_images(model, generate_kwargs: dict, repeat: int, runtime_of):
+    """``(prompt embeds, bidirectional ranges)`` per row of a call whose plan came from the
+    cache (unpadded rows), from its own image inputs; ``(None, None)`` without any."""
+    from hf_paged.integration import multimodal
+    from hf_paged.integration.multimodal.image_blocks import row_ranges
+
+    if not multimodal.is_multimodal(model):
+        return None, None
+    keys = multimodal.multimodal_keys(model)
+    mm = {k: v for k, v in generate_kwargs.items() if k in keys and v is not None}
+    if not mm:
+        return None, None
+    ids = generate_kwargs["input_ids"]
+    mask = torch.ones_like(ids)
+    embeds = multimodal.prompt_embeds(model, ids, mask, mm, runtime_of().encoder_cache)
+    ranges = row_ranges(model, mask, mm)
+    embeds = [e for e in embeds for _ in range(repeat)]
+    return embeds, None if ranges is None else [r for r in ranges for _ in range(repeat)]
+
+
+def _image_ranges(model, call: PreparedCall) -> list | None:
+    """Each row's bidirectional ranges (``integration/multimodal/image_blocks.py``), repeated
+    as the call's rows are; None for a causal family."""
+    from hf_paged.integration.multimodal.image_blocks import row_ranges
+
+    per_input = row_ranges(model, call.mm_attention_mask, call.mm_inputs)
+    if per_input is None:
+        return None
+    repeat = len(call.prompts) // len(per_input)
+    return [r for r in per_input for _ in range(repeat)]
 
 
 def _check_recurrent(model, call) -> None:

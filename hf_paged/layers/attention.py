@@ -9,9 +9,12 @@ import torch
 from torch import nn
 
 from hf_paged.attention.base import AttentionLayerSpec, AttentionMetadata
+from hf_paged.attention.torch_ref import TorchRefBackend
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.layernorm import RMSNorm
 from hf_paged.layers.rotary import apply_rotary_emb_qk
+
+_REFERENCE = TorchRefBackend()
 
 
 @dataclass
@@ -56,6 +59,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_dim_v]
         """``rope=None``: q and k are already rotated (or the model has no rope)."""
         s = self.spec
+        backend = self.backend
+        if meta.bidirectional_ranges is not None and s.bidirectional and (
+            not backend.accepts_bidirectional
+        ):  # a step with bidirectional ranges: the reference takes what the backend cannot
+            backend = _REFERENCE
         q = q.reshape(-1, s.num_heads, s.head_dim)
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
         v = v.reshape(-1, s.num_kv_heads, s.v_head_dim)
@@ -63,12 +71,12 @@ class Attention(nn.Module):
         stored = False
         if rope is not None:
             write = None
-            if self.backend.accepts_stored_kv and k_cache is not None:
+            if backend.accepts_stored_kv and k_cache is not None:
                 write = (v, k_cache, v_cache, meta.slot_mapping)
             q, k, stored = apply_rotary_emb_qk(
                 q, k, rope.cos, rope.sin, rope.q_norm, rope.k_norm, kv_cache=write
             )
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, s, kv_stored=stored)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, s, kv_stored=stored)
         return o.reshape(-1, s.num_heads * s.v_head_dim)
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ in one prefill chunk. What the ranges cannot express is refused by name.
 
 Rules, read from each family's ``modeling_*.py`` in transformers 5.25:
 
-- ``gemma3``: runs of ``token_type_ids == 1`` (one block per run of image tokens); full layers
+- ``gemma3`` (and ``shieldgemma2``, the same class): runs of ``token_type_ids == 1`` (one block per run of image tokens); full layers
   OR(causal, block), sliding layers AND(window, OR(causal, block)).
 - ``gemma4`` / ``gemma4_unified``: runs of ``mm_token_type_ids`` in {1, 2} (image or video)
   when the text config says ``use_bidirectional_attention == "vision"``; sliding layers only,
@@ -41,6 +41,7 @@ class ImageMaskRule:
 
 _RULES = {
     "gemma3": ImageMaskRule("token_type_ids", frozenset({1}), False, False),
+    "shieldgemma2": ImageMaskRule("token_type_ids", frozenset({1}), False, False),  # Gemma 3's
     "gemma4": ImageMaskRule("mm_token_type_ids", frozenset({1, 2}), True, False),
     "gemma4_unified": ImageMaskRule("mm_token_type_ids", frozenset({1, 2}), True, False),
     "paligemma": ImageMaskRule("token_type_ids", frozenset({0}), False, True),

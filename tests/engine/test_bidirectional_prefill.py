@@ -12,10 +12,13 @@ them one, as ``ranges_from_token_types`` does.)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from hf_paged import LLM, SamplingParams
+from hf_paged import LLM, SamplingParams, attention
+from hf_paged.attention.torch_ref import TorchRefBackend
 from hf_paged.engine.core.request import EngineRequest
 from hf_paged.testing.models import randomize_
 
@@ -132,3 +135,22 @@ def test_bad_ranges_are_named(model_path):
                     EngineRequest(list(range(3, 23)), params, bidirectional_ranges=bad)
                 )
         assert not llm.engine.has_unfinished_requests()
+
+
+class CausalOnlyBackend(TorchRefBackend):
+    """A backend that cannot take bidirectional ranges (it drops them): its layers must hand a
+    step with ranges to the torch reference."""
+
+    accepts_bidirectional = False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, spec, kv_stored=False, sinks=None):
+        meta = dataclasses.replace(meta, bidirectional_ranges=None, query_key_ends=None)
+        return super().forward(q, k, v, k_cache, v_cache, meta, spec, kv_stored, sinks)
+
+
+def test_a_backend_without_ranges_hands_them_to_the_reference(model_path, stock, monkeypatch):
+    monkeypatch.setitem(attention._REGISTRY, "causal_only",
+                        f"{__name__}:CausalOnlyBackend")  # fmt: skip
+    with LLM(model_path, kv_block_size=4, max_model_len=64, max_num_batched_tokens=3,
+             attention_backend="causal_only") as llm:  # fmt: skip
+        assert _engine_tokens(llm) == stock[0]

@@ -25,8 +25,10 @@ How a ``generate`` call with images becomes engine requests (``prompt_inputs.pro
 
 The decoder is the generic path over the whole ``*ForConditionalGeneration`` class
 (``models/generic``): its ``language_model`` is the backbone, its ``lm_head`` the head.
-Families whose image tokens attend bidirectionally (Gemma 3, PaliGemma) are refused by name
-(``generic/support.py``) until the attention takes per-request bidirectional ranges.
+Families whose image tokens attend bidirectionally (Gemma 3) get each row's bidirectional
+ranges from its type ids (``image_blocks.py``, rules in ``models/image_masks.py``): the
+attention opens each image's tokens to each other and the scheduler keeps an image in one
+prefill chunk. Blocks the ranges cannot express are refused by name.
 
 Interface for front ends (pipeline, lm-eval, ``LLM``): ``multimodal_keys(model)`` names the
 keywords a call may carry, and ``prompt_embeds(model, input_ids, attention_mask, mm_inputs,

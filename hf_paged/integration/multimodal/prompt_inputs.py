@@ -45,7 +45,10 @@ def tower_of(model) -> StockVisionTower:
 def multimodal_keys(model) -> set[str]:
     """The ``generate`` keywords a call on ``model`` may carry besides ``input_ids`` /
     ``attention_mask`` (image inputs and options, token types, video inputs)."""
-    return set(tower_of(model).input_names) | set(_POSITION_KEYS) | set(VIDEO_KEYS)
+    from hf_paged.integration.multimodal.image_blocks import type_ids_keys
+
+    keys = set(tower_of(model).input_names) | set(_POSITION_KEYS) | set(VIDEO_KEYS)
+    return keys | set(type_ids_keys(model))
 
 
 def image_token_id(model) -> int:

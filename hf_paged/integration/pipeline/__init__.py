@@ -28,6 +28,10 @@ pipeline is a ``PagedTextGenerationPipeline`` (``streaming.py``): called on a li
 dataset or a generator it sends all inputs into one engine run, whatever ``batch_size`` is,
 with stock's outputs in stock's order.
 
+``pipeline("image-text-to-text", model=..., backend="paged")`` (a loaded model or a checkpoint
+directory, which stock loads): every call's ``generate`` goes paged and many inputs stream
+through one engine run (``image_text.py``); ``backend="hf"`` keeps it stock.
+
 Only code that looks ``pipeline`` up after ``install_pipeline()`` (``transformers.pipeline(...)``,
 or ``from transformers import pipeline`` executed later) sees the wrapper.
 """
@@ -50,6 +54,7 @@ from hf_paged.integration import dispatch, hooks  # noqa: E402
 from hf_paged.integration.fallback import warn_fallback  # noqa: E402
 
 TASK = "text-generation"
+IMAGE_TASK = "image-text-to-text"
 _lock = threading.Lock()
 
 
@@ -141,8 +146,12 @@ def _default_paged(signature, args, kwargs) -> dict:
         a = signature.bind(*args, **kwargs).arguments
     except TypeError:  # let the original raise its own error
         return kwargs
-    if a.get("task") != TASK or a.get("pipeline_class") is not None:
+    if a.get("task") not in (TASK, IMAGE_TASK) or a.get("pipeline_class") is not None:
         return kwargs
+    if a.get("task") == IMAGE_TASK:
+        from hf_paged.integration.pipeline.image_text import image_streaming_class
+
+        return {**kwargs, "pipeline_class": image_streaming_class(None)}
     return {**kwargs, "pipeline_class": _streaming_class(None)}
 
 
@@ -153,10 +162,10 @@ def _build(original, bound, backend, paged_config):
 
     a = bound.arguments
     task, model = a.get("task"), a.get("model")
-    if task != TASK:
+    if task not in (TASK, IMAGE_TASK):
         raise ValueError(
-            f"task={task!r} is not allowed with backend={backend!r}: only task={TASK!r} "
-            "generates through the paged engine"
+            f"task={task!r} is not allowed with backend={backend!r}: only task={TASK!r} and "
+            f"task={IMAGE_TASK!r} generate through the paged engine"
         )
     if isinstance(paged_config, dict):
         paged_config = dict(paged_config)
@@ -166,6 +175,8 @@ def _build(original, bound, backend, paged_config):
             "or an EngineConfig"
         )
     extra = a.setdefault("kwargs", {})
+    if task == IMAGE_TASK:
+        return _build_image(original, bound, backend, paged_config)
     quantized = adapter_dir = None
     if backend == "paged" and isinstance(model, (str, os.PathLike)):
         quantized = quantized_checkpoint_reason(model)
@@ -200,6 +211,27 @@ def _build(original, bound, backend, paged_config):
         extra["backend"] = "hf"
     if backend != "hf":  # many-input calls stream through one engine run
         a["pipeline_class"] = _streaming_class(a.get("pipeline_class"))
+    return original(*bound.args, **bound.kwargs)
+
+
+def _build_image(original, bound, backend, paged_config):
+    """An image-text-to-text pipeline: stock loads the model (a directory or a loaded one); the
+    pipeline class takes ``backend`` / ``paged_config`` for every call's ``generate``."""
+    from hf_paged.integration.pipeline.image_text import image_streaming_class
+
+    a = bound.arguments
+    if a.get("model") is None:
+        raise ValueError(f"model=None is not allowed with backend={backend!r}: pass a model")
+    if (backend == "paged" or paged_config is not None) and not dispatch.is_installed():
+        raise RuntimeError(
+            f"backend={backend!r} needs the generate dispatcher: call hf_paged.install() "
+            "first (import hf_paged does)"
+        )
+    extra = a["kwargs"]
+    if backend == "hf" and paged_config is not None:
+        raise ValueError("paged_config=... is not allowed with backend='hf': stock runs the calls")
+    extra.update({k: v for k, v in (("backend", backend), ("paged_config", paged_config)) if v})
+    a["pipeline_class"] = image_streaming_class(a.get("pipeline_class"))
     return original(*bound.args, **bound.kwargs)
 
 

@@ -1,4 +1,5 @@
-"""The ``generate`` keywords a text-generation pipeline's ``_forward`` would pass for one batch.
+"""The ``generate`` keywords a generating pipeline's ``_forward`` would pass for one batch
+(text-generation and image-text-to-text).
 
 Whatever this transformers version's ``_forward`` derives from the pipeline's options, it is
 recorded by running ``_forward`` on a view of the pipeline whose model stands in for
@@ -8,12 +9,15 @@ recorded by running ``_forward`` on a view of the pipeline whose model stands in
 from the call's options (fixed for the call: the pipeline's options, the model's generation
 config) and from the batch only through its tensors and whether the prompt is empty, so a batch
 with the same input keys, the same number of rows and a non-empty / empty prompt alike takes the
-recorded keywords with its own tensors. Stock's ``_forward`` deep-copies the model's generation
+recorded keywords with its own tensors (ids and mask; an image batch's pixels and token types
+too). Stock's ``_forward`` deep-copies the model's generation
 config for every batch (``to_diff_dict``): about 1 ms a batch, the largest per-item cost of a
 pipeline at ``batch_size=1`` after tokenization.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 class _Captured(Exception):
@@ -58,13 +62,10 @@ def capture_generate_kwargs(pipe, inputs: dict, forward_params: dict) -> dict:
     raise RuntimeError("the pipeline's _forward did not call model.generate")
 
 
-_TENSOR_KEYS = ("input_ids", "attention_mask")
-
-
 class KwargsCache:
     """``capture_generate_kwargs`` for the batches of one pipeline call (see the module
     docstring): the first batch of each shape class is captured, later ones reuse its keywords
-    with their own ``input_ids`` / ``attention_mask``."""
+    with their own tensors."""
 
     def __init__(self, pipe, forward_params: dict):
         self._pipe = pipe
@@ -85,6 +86,7 @@ class KwargsCache:
             self._captured[key] = kwargs
             return kwargs
         tensors = self._pipe._ensure_tensor_on_device(
-            {k: inputs[k] for k in _TENSOR_KEYS if k in inputs}, device=self._pipe.device
+            {k: v for k, v in inputs.items() if k in known and isinstance(v, torch.Tensor)},
+            device=self._pipe.device,
         )
-        return {**known, **{k: tensors.get(k) for k in _TENSOR_KEYS if k in known}}
+        return {**known, **tensors}

@@ -50,6 +50,12 @@ class StreamingTextGenerationMixin:
                                preprocess_params, forward_params, postprocess_params)  # fmt: skip
 
 
+def generate_params(forward_params: dict) -> dict:
+    """The ``generate`` keywords among a call's forward params: the params themselves for a
+    text-generation pipeline, their ``generate_kwargs`` for an image-text-to-text one."""
+    return forward_params.get("generate_kwargs") or forward_params
+
+
 def may_page(pipe, forward_params: dict) -> bool:
     """Whether a call with these ``forward_params`` (the pipeline's ``generate`` keywords) can
     send batches to the engine: its ``backend`` is paged, or unset while the process default is
@@ -59,6 +65,7 @@ def may_page(pipe, forward_params: dict) -> bool:
 
     if isinstance(pipe.model, PagedModelForCausalLM):
         return True
+    forward_params = generate_params(forward_params)
     backend = forward_params.get("backend")
     if backend is None and forward_params.get("paged_config") is None:
         backend = dispatch.get_default_backend()
@@ -256,12 +263,13 @@ class BatchStream:
 
 def model_outputs(job: _Job) -> dict:
     """What stock's ``forward`` returns for the batch: sequences ``[in_b, n, W + T]`` on the CPU,
-    the padded ``input_ids`` ``[in_b, W]`` and the prompt text(s)."""
+    the padded ``input_ids`` ``[in_b, W]`` and the prompt text(s) (preprocessed as
+    ``prompt_text`` by a text-generation pipeline, ``text`` by an image-text-to-text one)."""
     seqs = job.call.sequences(job.tokens).cpu()  # [in_b * n, W + T]
     input_ids = job.item.inputs["input_ids"]
     in_b = input_ids.shape[0]
     return {
         "generated_sequence": seqs.reshape(in_b, seqs.shape[0] // in_b, *seqs.shape[1:]),
         "input_ids": input_ids,
-        "prompt_text": job.item.inputs["prompt_text"],
+        "prompt_text": job.item.inputs.get("prompt_text", job.item.inputs.get("text")),
     }

@@ -56,11 +56,14 @@ def resolve_hf_class(hf_config):
 
 # vision-language families whose stock merge (image features into placeholder runs, in
 # ``masked_scatter`` order) and positions the paged path reproduces, each checked token for token
-# against stock (tests/integration/multimodal); any other family runs stock by name until it is
-# checked the same way
+# against stock (tests/integration/multimodal; the second group by the coverage table,
+# tests/models/coverage_vlm.py: a left-padded batch with two images, in one step and in prefill
+# chunks smaller than an image); any other family runs stock by name until it is checked
 VERIFIED_IMAGE_TEXT = frozenset({
     "llava", "llava_next", "llava_onevision", "mistral3", "idefics3", "smolvlm", "llama4",
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3",
+    "aya_vision", "cohere2_vision", "got_ocr2", "pp_chart2table", "internvl", "qianfan_ocr",
+    "lighton_ocr", "llava_next_video", "video_llava", "vipllava", "qwen3_vl_moe", "shieldgemma2",
 })  # fmt: skip
 
 
@@ -85,9 +88,8 @@ def image_text_class(hf_config):
     return cls if text is not hf_config else None  # a VLM has a text config of its own
 
 
-# vision-language families whose decoder attention is not causal over the image tokens: stock
-# lets an image's tokens see each other both ways (per ``token_type_ids``)
-_BIDIRECTIONAL_IMAGES = {"gemma3": "Gemma 3", "paligemma": "PaliGemma"}
+# vision-language families whose decoder positions are not the engine's (PaliGemma's start at 1)
+_ONE_BASED_POSITIONS = {"paligemma": "PaliGemma"}
 
 
 # transformers' task mappings whose classes are no causal LM: a checkpoint saved as one of them
@@ -178,12 +180,15 @@ def _static_why(hf_config) -> str | None:
     vlm = image_text_class(hf_config) is cls
     if text is not hf_config and text.model_type != hf_config.model_type and not vlm:
         return f"{name} is multimodal (text config {text.model_type!r} inside)"
-    family = _BIDIRECTIONAL_IMAGES.get(getattr(hf_config, "model_type", None))
-    if vlm and family is not None:
-        return (
-            f"{name}: {family}'s image tokens attend bidirectionally within their image, which "
-            "the paged attention does not run yet"
-        )
+    if vlm:
+        from hf_paged.models.image_masks import image_mask_rule
+
+        rule = image_mask_rule(hf_config)  # bidirectional image blocks: served as ranges
+        if isinstance(rule, Refusal):
+            return f"{name}: {rule.detail}"
+        family = _ONE_BASED_POSITIONS.get(getattr(hf_config, "model_type", None))
+        if family is not None:
+            return f"{name}: {family}'s decoder positions start at 1; the engine's start at 0"
     adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
         if key in _ADAPTER_CONFIG_KEYS and adapted:

@@ -83,8 +83,8 @@ def test_preempted_requests_recompute_their_images(vlm):
 
 @pytest.mark.parametrize(
     ("model_type", "why"),
-    [("aya_vision", "has not been checked"), ("vipllava", "has not been checked"),
-     ("llava_next_video", "has not been checked")],
+    [("idefics2", "has not been checked"), ("lfm2_vl", "has not been checked"),
+     ("glm4v", "has not been checked")],
 )  # fmt: skip
 def test_other_families_are_refused_by_name(model_type, why):
     """Families whose merge has not been checked against stock run stock under a named reason
