@@ -115,7 +115,7 @@ def image(model, seed: int, wide: bool = False) -> Image:
              "pixel_attention_mask": torch.ones(1, 1, 16, 16, dtype=torch.bool)}  # fmt: skip
     else:
         t = {"pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
-    img = Image(t)
+    img = Image({k: v.to(model.device) for k, v in t.items()})
     img.num_tokens = image_tokens(model, img)
     return img
 
@@ -152,10 +152,10 @@ def batch(model, rows: list[list]) -> dict:
     family = model.config.model_type
     seqs = [expand(model, r) for r in rows]
     width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), PAD, dtype=torch.long)
+    ids = torch.full((len(seqs), width), PAD, dtype=torch.long, device=model.device)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s)
+        ids[i, width - len(s) :] = torch.tensor(s, device=model.device)
         mask[i, width - len(s) :] = 1
     out = {"input_ids": ids, "attention_mask": mask}
     images = [[p for p in r if isinstance(p, Image)] for r in rows]
@@ -168,8 +168,8 @@ def batch(model, rows: list[list]) -> dict:
         return out
     if family in ("idefics3", "smolvlm"):
         n = max(len(r) for r in images)
-        pix = torch.zeros(len(rows), n, 3, 16, 16)
-        pam = torch.zeros(len(rows), n, 16, 16, dtype=torch.bool)
+        pix = torch.zeros(len(rows), n, 3, 16, 16, device=model.device)
+        pam = torch.zeros(len(rows), n, 16, 16, dtype=torch.bool, device=model.device)
         for i, per_row in enumerate(images):
             for j, img in enumerate(per_row):
                 pix[i, j] = img.tensors["pixel_values"][0, 0]

@@ -17,7 +17,7 @@ from hf_paged.models.vision import ImageFeatures, StockVisionTower
 # keywords of a multimodal call that are not inputs of ``get_image_features`` but that the
 # engine reproduces (token types Qwen's rope index reads)
 _POSITION_KEYS = ("mm_token_type_ids",)
-# video inputs: refused by name (``video_keys``)
+# video inputs: the call runs stock by name (``prepare._multimodal_inputs``)
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 _towers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its tower
 
@@ -52,6 +52,7 @@ def multimodal_keys(model) -> set[str]:
 
 
 def image_token_id(model) -> int:
+    """The id the processor expands each image into a run of."""
     config = model.config
     tid = getattr(config, "image_token_id", None)
     if tid is None:
@@ -159,7 +160,7 @@ def prompt_embeds(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         rows_b = [feats[p.image].rows[p.start : p.start + p.length] for p in row_pieces]
         deep = [feats[p.image].deepstack for p in row_pieces]
         hidden = _hidden_size(model)
-        emb = torch.cat(rows_b) if rows_b else torch.zeros(0, hidden)
+        emb = torch.cat(rows_b) if rows_b else torch.zeros(0, hidden, device=input_ids.device)
         ds = None
         if row_pieces and all(d is not None for d in deep):
             ds = torch.cat([d[:, p.start : p.start + p.length] for d, p in zip(deep, row_pieces)],

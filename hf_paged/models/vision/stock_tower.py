@@ -72,8 +72,18 @@ class StockVisionTower:
             raise ValueError(f"{type(model).__name__} has no get_image_features")
         self.model = model
         self.encode_fn = fn
-        self.params = [p for p in inspect.signature(fn).parameters if p != "kwargs"]
+        sig = inspect.signature(fn).parameters
+        self.params = [p for p in sig if p != "kwargs"]
         self.config = model.config
+        # options older transformers require without a default (Llama 4's
+        # ``vision_feature_select_strategy``); newer ones fill them from the config themselves
+        self.config_options = {
+            p: getattr(self.config, p)
+            for p, v in sig.items()
+            if v.default is inspect.Parameter.empty
+            and p in _OPTION_NAMES
+            and getattr(self.config, p, None) is not None
+        }
         self.family = getattr(self.config, "model_type", type(model).__name__)
         if "image_grid_thw" in self.params:
             self.layout = "grid"
@@ -207,7 +217,8 @@ class StockVisionTower:
         return (options, tuple((k, tuple(v.shape)) for k, v in sorted(img.tensors.items())))
 
     def _encode_batch(self, images: list[ImageInput]) -> list[ImageFeatures]:
-        kwargs = {**images[0].options, **self._collate([img.tensors for img in images])}
+        options = {**self.config_options, **images[0].options}
+        kwargs = {**options, **self._collate([img.tensors for img in images])}
         out = self.encode_fn(**kwargs, return_dict=True)
         pooled = out.pooler_output
         per_image = list(pooled) if not isinstance(pooled, torch.Tensor) else list(pooled.unbind(0))
@@ -217,7 +228,7 @@ class StockVisionTower:
                 f"for {len(images)} images"
             )
         rows = [f.reshape(-1, f.shape[-1]) for f in per_image]
-        deep = getattr(out, "deepstack_features", None)
+        deep = _per_image(getattr(out, "deepstack_features", None), [r.shape[0] for r in rows])
         results = []
         for i, r in enumerate(rows):
             ds = None
@@ -233,6 +244,15 @@ class StockVisionTower:
                 "image_grid_thw": torch.cat([d["image_grid_thw"] for d in items]),
             }
         return {k: _cat_padded([d[k] for d in items]) for k in items[0]}
+
+
+def _per_image(deep, sizes: list[int]):
+    """Qwen3-VL's DeepStack features as one sequence per layer of per-image rows (older
+    transformers return each layer's rows of all images in one tensor: split by ``sizes``)."""
+    if not deep:
+        return None
+    return [torch.split(layer, sizes) if isinstance(layer, torch.Tensor) else layer
+            for layer in deep]  # fmt: skip
 
 
 def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ image tokens attend bidirectionally, has its own module (test_vlm_gemma3.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
@@ -99,10 +100,8 @@ def test_other_families_are_refused_by_name(model_type, why):
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
 def test_other_decoding_paths(family):
-    """Prompt lookup (speculative chunks past the prompt, M-RoPE delta), the external sampling
-    loop (scores returned) and sampling: stock's tokens and scores."""
-    import torch
-
+    """Prompt lookup (speculative chunks past the prompt, M-RoPE delta) and the external
+    sampling loop (scores returned): stock's tokens and scores."""
     model = build_tiny_vlm(family)
     rows = [[[5, 6, 7, 5, 6, 7], image(model, 1), [8, 9, 5, 6]], [[10], image(model, 2), [11]]]
     stock = stock_greedy(model, rows, 10)
@@ -118,4 +117,20 @@ def test_other_decoding_paths(family):
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    dispatch.release(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (marker gpu)")
+@pytest.mark.parametrize("family", SERVED)
+def test_batch_and_split_images_on_cuda(family):
+    """The batch and the image-splitting chunks on a CUDA engine (fp32, the GPU attention
+    backend) equal stock on CUDA for each request alone."""
+    model = build_tiny_vlm(family).cuda()
+    a, b, c = (image(model, s, wide=s == 3) for s in (1, 2, 3))
+    rows = [[[5, 6, 7], a, [8, 9]], [[10], b, [11, 12, 13]], [[20, 21], c, [22]], [[30, 31]]]
+    stock = stock_greedy(model, rows, NEW)
+    cuda = dict(device="cuda", kv_block_size=8)  # the Triton kernels take blocks of 8 and up
+    assert paged(model, rows, dict(ENGINE, **cuda)) == stock
+    assert paged(model, rows, dict(CRAMPED, **cuda)) == stock
     dispatch.release(model)
