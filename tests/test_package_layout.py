@@ -505,3 +505,121 @@ def test_a_foreign_write_is_found():
     assert _foreign_writes(source) == [
         (1, "engine.__dict__"), (2, "engine.__dict__"), (4, "sched._queue"), (5, "sched._table")
     ]  # fmt: skip
+
+
+# ---- refusals: returned where judged, raised once, their keys listed once ---------------------
+
+# the files that raise a ``Refusal`` as ``PagedFallback``, and what each is the boundary of
+FALLBACK_BOUNDARIES = {
+    "hf_paged/integration/route.py": "a generate call: everything judged on its route",
+    "hf_paged/integration/engine_owner.py": "a model's engine: built (or refused), held",
+    "hf_paged/integration/paged_call.py": "one generate call's cache duties (passed, returned)",
+}
+FALLBACK_MODULE = "hf_paged/integration/fallback.py"
+
+
+def _fallback_raises(source: str) -> tuple[list[int], list[int]]:
+    """``(lines that build a PagedFallback from its fields, lines that raise one)``."""
+    built, raised = [], []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "PagedFallback":
+                built.append(node.lineno)
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            if "PagedFallback" in ast.unparse(node.exc):
+                raised.append(node.lineno)
+    return built, raised
+
+
+def test_refusals_are_raised_at_one_boundary():
+    """A judgement returns a ``Refusal`` where it is made; only the boundaries raise it (as
+    ``PagedFallback.of(refusal)``), and nothing but ``fallback.py`` builds a ``PagedFallback``
+    from a key and a detail."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        built, raised = _fallback_raises(path.read_text())
+        if rel != FALLBACK_MODULE:
+            found += [f"{rel}:{line} builds PagedFallback(reason, detail)" for line in built]
+        if rel not in FALLBACK_BOUNDARIES:
+            found += [f"{rel}:{line} raises PagedFallback" for line in raised]
+    assert not found, "return a Refusal instead (the boundaries raise it):\n" + "\n".join(found)
+    for rel in FALLBACK_BOUNDARIES:
+        assert _fallback_raises((ROOT / rel).read_text())[1], f"{rel} no longer raises"
+
+
+def _reason_keys(source: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """``([(line, key)] of Refusals built with a literal key, [(line, expression)] of the
+    others)``."""
+    literal, other = [], []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        if not (isinstance(func, ast.Name) and func.id == "Refusal"):
+            continue
+        key = node.args[0]
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            literal.append((node.lineno, key.value))
+        else:
+            other.append((node.lineno, ast.unparse(key)))
+    return literal, other
+
+
+# Refusals whose key is built where they are made: (file, the key's expression) -> the keys it
+# can be (each must be a listed key or family)
+BUILT_KEYS = {
+    ("hf_paged/integration/prepare.py", "mode.value"): (
+        "contrastive_search", "dola_generation", "group_beam_search", "constrained_beam_search",
+    ),
+    ("hf_paged/integration/prepare.py", "flag"): ("output_attentions", "output_hidden_states"),
+    ("hf_paged/models/peft.py", "f'peft_{kind.lower()}'"): ("peft_dora",),
+    ("hf_paged/models/peft.py", "f'peft_{kind}'"): ("peft_ia3",),
+    ("hf_paged/models/servable.py", "f'quantized_{method}'"): ("quantized_gptq",),
+    ("hf_paged/refusal.py", "f'{prefix}{self.reason}'"): ("assistant_device",),
+}  # fmt: skip
+
+
+def test_reason_keys_are_listed_once():
+    """Every reason key the package makes is in ``refusal.REASONS`` (or a family of
+    ``REASON_FAMILIES``), so that each new key is a visible decision; and every listed key is
+    still made somewhere and has its row in ``docs/fallbacks.md``."""
+    from hf_paged import refusal
+
+    made, unlisted, unknown = set(), [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        literal, other = _reason_keys(path.read_text())
+        for line, key in literal:
+            made.add(key)
+            if not refusal.is_reason(key):
+                unlisted.append(f"{rel}:{line} {key!r}")
+        for line, expr in other:
+            keys = BUILT_KEYS.get((rel, expr))
+            if keys is None:
+                unknown.append(f"{rel}:{line} Refusal({expr}, ...)")
+                continue
+            made.update(keys)
+            unlisted += [f"{rel}:{line} {k!r}" for k in keys if not refusal.is_reason(k)]
+    assert not unlisted, "reason keys not in refusal.REASONS:\n" + "\n".join(unlisted)
+    assert not unknown, "keys built at run time, not in BUILT_KEYS:\n" + "\n".join(unknown)
+    stale = sorted(k for k in refusal.REASONS if k not in made)
+    assert not stale, f"refusal.REASONS lists keys nothing makes: {stale}"
+    doc = (ROOT / "docs" / "fallbacks.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in doc.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    want = set(refusal.REASONS) | {f"{p}*" for p in refusal.REASON_FAMILIES}
+    assert rows == want, (
+        f"docs/fallbacks.md rows differ from refusal.REASONS: missing {sorted(want - rows)}, "
+        f"extra {sorted(rows - want)} (python -m hf_paged.refusal prints the table)"
+    )
+
+
+def test_a_raise_and_an_unlisted_key_are_found():
+    """The checks themselves."""
+    assert _fallback_raises("raise PagedFallback('x', 'y')\n") == ([1], [1])
+    assert _fallback_raises("raise PagedFallback.of(r)\n") == ([], [1])
+    assert _reason_keys("Refusal('new_key', 'why')\nRefusal(k, 'why')\n") == (
+        [(1, "new_key")],
+        [(2, "k")],
+    )

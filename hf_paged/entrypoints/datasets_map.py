@@ -196,7 +196,7 @@ class PagedGenerateMap:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 calls = [
-                    route(self._prep_model(), self._kwargs(p), lambda: engine.runtime, cache=plans)
+                    route(self._prep_model(), self._kwargs(p), lambda: engine, cache=plans)
                     for p in prompts
                 ]
             self._warn_once(caught)

@@ -40,28 +40,23 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.core.request_loop import RequestGroup
-from hf_paged.integration.contract.cache import CacheContract, check_passed, fill, output_field
-from hf_paged.integration.fallback import PagedFallback
-from hf_paged.integration.plan import check_fits
+from hf_paged.integration.contract.cache import CacheContract, fill, output_field
+from hf_paged.integration.plan import fit_refusal
 from hf_paged.integration.prepare import PreparedCall
+from hf_paged.refusal import Refusal
 
 
 def generate_beams(model, engine, call: PreparedCall, contract: CacheContract | None = None):
-    """Run a prepared ``num_beams > 1`` call (beam search or beam sampling) on ``engine``.
+    """Run a prepared ``num_beams > 1`` call (beam search or beam sampling) on ``engine``, which
+    ``beams_refusal`` found able to serve it (``route`` asks it before anything is queued).
 
     Returns:
         What stock returns: the ``[B * num_return_sequences, L + T]`` sequences, or a
         ``GenerateBeamDecoderOnlyOutput`` with ``return_dict_in_generate``. Stock's cache
         (``contract``) is its last reorder's: the running beams' tokens but the last.
-
-    Raises:
-        PagedFallback: before any request is queued (the call needs stock, or does not fit).
     """
-    _check_beams(call, engine)
     keep_rows = contract is not None and contract.fill  # the cache holds every row to the end
     with torch.no_grad():
-        if contract is not None:
-            check_passed(contract, engine, call)
         beams, scores, logits = _run(model, engine, call, keep_rows)
         cache = None
         if contract is not None:
@@ -71,18 +66,18 @@ def generate_beams(model, engine, call: PreparedCall, contract: CacheContract | 
     return _outputs(call, beams, scores, logits, cache)
 
 
-def _check_beams(call: PreparedCall, engine) -> None:
-    """PagedFallback when the engine cannot serve this beam call (``plan.check_fits`` judges
-    whether one row's beams fit the KV cache at once)."""
+def beams_refusal(call: PreparedCall, engine) -> Refusal | None:
+    """Why the engine cannot serve this beam call, or None (``plan.fit_refusal`` judges whether
+    one row's beams fit the KV cache at once)."""
     gen = call.generation_config
     if gen.low_memory:  # stock raises for it; let it
-        raise PagedFallback("low_memory", "low_memory=True is refused by stock beam search")
+        return Refusal("low_memory", "low_memory=True is refused by stock beam search")
     if call.streamer is not None:
-        raise PagedFallback("streamer", "a streamer with beams is passed to the model by stock")
+        return Refusal("streamer", "a streamer with beams is passed to the model by stock")
     if not hasattr(engine, "provide_beams"):
-        raise PagedFallback("beam_search", f"{type(engine).__name__} has no provide_beams")
-    check_fits(call.prompts, call.max_new_tokens, engine.runtime, held="beams",
-               num_beams=gen.num_beams)  # fmt: skip
+        return Refusal("beam_search", f"{type(engine).__name__} has no provide_beams")
+    return fit_refusal(call.prompts, call.max_new_tokens, engine.runtime, held="beams",
+                       num_beams=gen.num_beams)  # fmt: skip
 
 
 @dataclass

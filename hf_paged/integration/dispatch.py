@@ -38,6 +38,7 @@ from hf_paged import envs, timings
 from hf_paged.config import EngineConfig
 from hf_paged.integration import engine_owner, hooks, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback, call_stock, in_stock, warn_fallback
+from hf_paged.refusal import Refusal
 
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
@@ -53,13 +54,15 @@ _lock = threading.Lock()
 
 
 def _default_engine_factory(model, config: EngineConfig):
+    """The model's engine, or the ``Refusal`` of a model the generic path's profile pass
+    refused (``EngineOwner.get`` raises it)."""
     from hf_paged.engine.llm_engine import LLMEngine
     from hf_paged.models.protocol import UnsupportedModelError
 
     try:
         return LLMEngine(model, config)
-    except UnsupportedModelError as e:  # the generic path's profile pass refused it
-        raise PagedFallback("architecture", f"{type(model).__name__}: {e}") from None
+    except UnsupportedModelError as e:
+        return Refusal("architecture", f"{type(model).__name__}: {e}")
 
 
 # builds a model's engine: (model, EngineConfig) -> engine. Tests replace it.

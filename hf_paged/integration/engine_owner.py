@@ -10,7 +10,7 @@ again into the engine's own tensors (``LLMEngine.refresh_weights``: no rebuild, 
 stays, the prefix cache is dropped); a replaced parameter or a new adapter state rebuilds it
 (its shared tensors are the old storage), as does an engine that can't refresh. ``hold`` gives the
 owner to one caller for the length of a ``with`` block: other threads wait, and the same thread
-asking again gets ``PagedFallback("reentrant")`` (its requests are in the engine already).
+asking again gets the "reentrant" refusal (its requests are in the engine already).
 
 Stock calls beside an engine (``give_back_for_stock``): an engine on a CUDA device took the
 device's free memory (0.9 of it less what was in use at its start), so a stock ``generate`` on
@@ -41,8 +41,10 @@ from hf_paged.config import EngineConfig
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.models import peft
 from hf_paged.models.weight_watch import WeightWatch
+from hf_paged.refusal import Refusal
 
 _OWNER_ATTR = "_hf_paged_engine_owner"
+_REENTRANT = Refusal("reentrant", "the model's engine is already held by this thread")
 _lock = threading.Lock()
 logger = logging.getLogger("hf_paged")
 
@@ -115,7 +117,10 @@ class EngineOwner:
         self.close()
         start = time.perf_counter()
         logger.info("hf_paged: starting an engine (%s)", why)
-        self.engine = self._build(want)
+        engine = self._build(want)
+        if isinstance(engine, Refusal):  # the model cannot be served (``build``'s judgement)
+            raise PagedFallback.of(engine)
+        self.engine = engine
         self.builds += 1
         self.built_with = want
         lora = getattr(getattr(self.engine, "runtime", None), "lora", None)
@@ -159,7 +164,7 @@ class EngineOwner:
             PagedFallback: this thread holds it already ("reentrant").
         """
         if self.held_here:
-            raise PagedFallback("reentrant", "the model's engine is already held by this thread")
+            raise PagedFallback.of(_REENTRANT)
         with self._lock:
             self._close_if_pending()
             self._holder = threading.get_ident()

@@ -1,9 +1,10 @@
 """Running stock: the one exception that says a call can't go paged, and its warn-once.
 
-Every "why not" helper returns a ``Refusal`` (``hf_paged.refusal``); a front end raises it as
-``PagedFallback`` (``PagedFallback.of(refusal)``, or ``PagedFallback(reason, detail)`` where it
-judges the call itself) for what the engine cannot reproduce, before anything is queued. Where there is a stock implementation to fall back on (the ``generate``
-dispatcher, lm-eval's HFLM methods, pipelines), it is called and ``warn_fallback`` emits one
+Every "why not" helper returns a ``Refusal`` (``hf_paged.refusal``) where it judges; the
+boundaries (``route`` for a ``generate`` call, ``EngineOwner`` for a model's engine) raise it as
+``PagedFallback.of(refusal)``, before anything is queued. Where there is a stock implementation
+to fall back on (the ``generate`` dispatcher, lm-eval's HFLM methods, pipelines), it is called
+and ``warn_fallback`` emits one
 ``PagedFallbackWarning`` per reason per process; where there is none (``PagedModelForCausalLM``,
 ``LLM``) the front end turns the same exception into its own error with the same detail.
 """
@@ -26,13 +27,14 @@ class PagedFallback(Exception):
     key per process); ``detail`` says why in words, and how to change the call where there is a
     way."""
 
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.refusal = Refusal(reason, detail)
+    def __init__(self, refusal: Refusal):
+        super().__init__(f"{refusal.reason}: {refusal.detail}")
+        self.refusal = refusal
 
     @classmethod
     def of(cls, refusal: Refusal) -> PagedFallback:
-        return cls(refusal.reason, refusal.detail)
+        """The exception that raises ``refusal``."""
+        return cls(refusal)
 
     @property
     def reason(self) -> str:

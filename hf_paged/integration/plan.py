@@ -1,6 +1,6 @@
 """A prepared call's plan: HF generation semantics as engine ``SamplingParams`` (``NativePlan``),
 with speculation as part of it (``SpecPlan``), whether the engine can sample it itself
-(``native_plan``), whether its rows fit the engine (``check_fits``), and the plans of calls that
+(``native_plan``), whether its rows fit the engine (``fit_refusal``), and the plans of calls that
 differ only in their prompt (``PlanCache``).
 
 The mapping reads the ``LogitsProcessorList`` and ``StoppingCriteriaList`` that HF's own
@@ -11,7 +11,7 @@ its result keeps the semantics HF's by construction. Any processor or criterion 
 set below sends the call down the external-sampling path, where HF's objects run as they are.
 
 No engine and no model here: plain objects in (HF's processors and criteria, the engine's
-``RuntimeInfo``), plans, ``Refusal`` and ``PagedFallback`` out. ``route.py`` turns a plan into
+``RuntimeInfo``), plans and ``Refusal`` out. ``route.py`` turns a plan into
 engine requests.
 """
 
@@ -40,7 +40,6 @@ from transformers.generation.stopping_criteria import (
 
 from hf_paged.config import SamplingParams
 from hf_paged.engine.stop_strings import StopStrings
-from hf_paged.integration.fallback import PagedFallback
 from hf_paged.layers.rotary import length_dependent_limit
 from hf_paged.refusal import Refusal
 
@@ -252,10 +251,10 @@ def _stop_strings_native(call, plan: NativePlan) -> bool:
     return all(len(p) == width or len(p) + 1 >= window for p in call.prompts)
 
 
-def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "rows",
-               num_beams: int = 1) -> None:  # fmt: skip
-    """The one "does it fit" check: ``PagedFallback`` when the engine would cut a row short, or
-    could not hold at once the KV that ``held`` says the call keeps.
+def fit_refusal(prompts: list[list[int]], max_new: int, runtime, *, held: str = "rows",
+                num_beams: int = 1) -> Refusal | None:  # fmt: skip
+    """The one "does it fit" check: a ``Refusal`` when the engine would cut a row short, or
+    could not hold at once the KV that ``held`` says the call keeps; None when it fits.
 
     Args:
         prompts: the rows' attended tokens.
@@ -273,7 +272,7 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "
     limit = runtime.max_model_len
     rope = length_dependent_limit(runtime.hf_config)
     if rope is not None and prompt + max_new > rope[1]:
-        raise PagedFallback(
+        return Refusal(
             "rope_length",
             f"a row may reach {prompt + max_new} tokens, past the {rope[1]} after which the "
             f"model's rope_type {rope[0]!r} changes its frequencies with the batch's longest "
@@ -285,7 +284,7 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "
             if prompt < limit
             else f"shorten the prompt below {limit} tokens"
         )
-        raise PagedFallback(
+        return Refusal(
             "max_model_len",
             f"a row may reach {prompt + max_new} tokens (longest prompt {prompt} + "
             f"max_new_tokens={max_new}), over the engine's max_model_len={limit}: {fix}, "
@@ -300,11 +299,10 @@ def check_fits(prompts: list[list[int]], max_new: int, runtime, *, held: str = "
         need = max(math.ceil((len(p) + max_new) / block) for p in prompts) + tail
         what = f"one row's {num_beams} beams need"
     else:
-        return
+        return None
     if need > have:
-        raise PagedFallback(
-            "kv_cache", f"{what} up to {need} KV blocks at once, the engine has {have}"
-        )
+        return Refusal("kv_cache", f"{what} up to {need} KV blocks at once, the engine has {have}")
+    return None
 
 
 _SIMPLE = (int, float, str, bool, type(None))

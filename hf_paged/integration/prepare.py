@@ -4,8 +4,8 @@ In stock ``generate``'s order (``_prepare_generation_config`` -> ``_prepare_mode
 ``_prepare_special_tokens`` -> attention mask -> ``_expand_inputs_for_generation`` ->
 ``_prepare_generated_length`` -> ``_get_logits_processor`` / ``_get_stopping_criteria``), so
 defaults, validation errors and the processors are stock's by construction. Each row's prompt is
-its attended tokens. Anything the engine cannot reproduce raises ``PagedFallback`` here, before
-the engine is touched. No engine here: ``plan.py`` turns a prepared call into engine requests.
+its attended tokens. Anything the engine cannot reproduce is a ``Refusal`` returned here, before
+the engine is touched (``route`` raises it). No engine here: ``plan.py`` turns a prepared call into engine requests.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from hf_paged.engine.core.prompt_embeds import PromptEmbeds
-from hf_paged.integration.fallback import PagedFallback
+from hf_paged.refusal import Refusal
 
 _STOCK_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 # beam search and beam sampling run in ``beam_search.py``; group and constrained beams are hub
@@ -103,11 +103,14 @@ def prepare_call(
     streamer=None,
     assistant_model=None,
     **kwargs,
-) -> PreparedCall:
+) -> PreparedCall | Refusal:
     """Stock ``generate``'s steps 1-8 for a decoder-only call, without running the model.
 
+    Returns:
+        The prepared call, or the ``Refusal`` of a call that needs something only stock
+        ``generate`` does.
+
     Raises:
-        PagedFallback: the call needs something only stock ``generate`` does.
         ValueError / TypeError: whatever stock raises for the same arguments.
     """
     kwargs = dict(kwargs)
@@ -120,12 +123,17 @@ def prepare_call(
     }
     gen, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     mode = gen.get_generation_mode(assistant_model)
-    _check_generation_config(gen, mode)
+    refusal = _generation_config_refusal(gen, mode)
+    if refusal is not None:
+        return refusal
     model._validate_model_kwargs(model_kwargs.copy())
     mode_kwargs = {k: v for k, v in (("tokenizer", tokenizer), ("streamer", streamer),
                                      ("assistant_model", assistant_model)) if v is not None}  # fmt: skip
     model._validate_generation_mode(mode, gen, mode_kwargs)
-    inputs_tensor, mask, mm_inputs, ids = _prepare_prompt(model, gen, inputs, model_kwargs)
+    prompt = _prepare_prompt(model, gen, inputs, model_kwargs)
+    if isinstance(prompt, Refusal):
+        return prompt
+    inputs_tensor, mask, mm_inputs, ids = prompt
     input_mask = mask  # [B0, L]: the rows as given, before they are repeated
     embeds = None if ids is inputs_tensor else inputs_tensor  # [B, L, hidden] inputs_embeds
     extra = {"attention_mask": mask} if embeds is None else {"attention_mask": mask,
@@ -198,9 +206,10 @@ def prepare_call(
 
 def _prepare_prompt(model, gen, inputs, model_kwargs):
     """``(inputs_tensor, attention_mask [B, L], image inputs or None, input_ids)`` as stock
-    builds them (a missing mask is inferred from the pad id); sets the config's special-token
-    tensors. ``inputs_tensor`` is the ``[B, L]`` input_ids (then ``input_ids`` is it), or
-    ``[B, L, hidden]`` inputs_embeds with the ``[B, 0]`` or ``[B, L]`` ids stock loops on."""
+    builds them (a missing mask is inferred from the pad id), or the prompt's ``Refusal``; sets
+    the config's special-token tensors. ``inputs_tensor`` is the ``[B, L]`` input_ids (then
+    ``input_ids`` is it), or ``[B, L, hidden]`` inputs_embeds with the ``[B, 0]`` or ``[B, L]``
+    ids stock loops on."""
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(
         inputs, gen.bos_token_id, model_kwargs
     )
@@ -209,16 +218,18 @@ def _prepare_prompt(model, gen, inputs, model_kwargs):
         ids = model_kwargs.pop("input_ids")
         model_kwargs.pop("inputs_embeds", None)  # stock keeps it there for its first step
         if ids.shape[1] not in (0, inputs_tensor.shape[1]):
-            raise PagedFallback("inputs_embeds", "input_ids and inputs_embeds differ in length")
+            return Refusal("inputs_embeds", "input_ids and inputs_embeds differ in length")
     elif input_name != "input_ids" or inputs_tensor.dim() != 2:
-        raise PagedFallback("inputs_embeds", "the prompt is neither input_ids nor inputs_embeds")
+        return Refusal("inputs_embeds", "the prompt is neither input_ids nor inputs_embeds")
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
     if any(k in CACHE_KWARGS for k in extra):  # ``generate_paged`` takes it out and serves it
-        raise PagedFallback("past_key_values", "a cache was passed to a many-prompt front end")
+        return Refusal("past_key_values", "a cache was passed to a many-prompt front end")
     mm_inputs = _multimodal_inputs(model, model_kwargs, extra)
+    if isinstance(mm_inputs, Refusal):
+        return mm_inputs
     extra = [k for k in extra if k not in (mm_inputs or ())]
     if extra:
-        raise PagedFallback("model_kwargs", f"model inputs {extra} are passed to the forward")
+        return Refusal("model_kwargs", f"model inputs {extra} are passed to the forward")
     mask = model_kwargs.get("attention_mask")
     model._prepare_special_tokens(
         gen, mask is not None, device=inputs_tensor.device, batch_size=inputs_tensor.shape[0]
@@ -228,25 +239,25 @@ def _prepare_prompt(model, gen, inputs, model_kwargs):
     elif mask.dim() > 2:
         raise ValueError("`attention_mask` passed to `generate` must be 2D.")
     if mask.shape != inputs_tensor.shape[:2]:
-        raise PagedFallback("attention_mask", "attention_mask's shape differs from the input's")
+        return Refusal("attention_mask", "attention_mask's shape differs from the input's")
     if not bool(((mask == 0) | (mask == 1)).all()):
         # stock's forward takes its positions from the mask's running sum and its attention
         # bias from the values: the engine knows attended (1) and padding (0) only
-        raise PagedFallback("attention_mask", "attention_mask holds values other than 0 and 1")
+        return Refusal("attention_mask", "attention_mask holds values other than 0 and 1")
     if inputs_tensor.shape[1] == 0 or bool((mask.sum(dim=-1) == 0).any()):
-        raise PagedFallback("empty_prompt", "a row has no attended token")
+        return Refusal("empty_prompt", "a row has no attended token")
     if bool((mask[:, -1] == 0).any()):
         # stock gives a right-padded row a pad query and restarts its positions after the pads:
         # no paged engine can reproduce that, so those calls run stock
-        raise PagedFallback("right_padding", "the input is right padded")
+        return Refusal("right_padding", "the input is right padded")
     if mm_inputs and ids is not inputs_tensor:
-        raise PagedFallback("inputs_embeds", "inputs_embeds with image inputs")
+        return Refusal("inputs_embeds", "inputs_embeds with image inputs")
     return inputs_tensor, mask, mm_inputs, ids
 
 
-def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | None:
+def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | Refusal | None:
     """A vision-language model's image inputs among the call's model kwargs (None: not such a
-    model, or no such input). Video inputs run stock."""
+    model, or no such input). Video inputs run stock (their ``Refusal``)."""
     from hf_paged.integration import multimodal
 
     if not extra or not multimodal.is_multimodal(model):
@@ -255,7 +266,7 @@ def _multimodal_inputs(model, model_kwargs: dict, extra: list[str]) -> dict | No
     found = {k: model_kwargs[k] for k in extra if k in keys}
     video = sorted(k for k in found if k in multimodal.VIDEO_KEYS)
     if video:
-        raise PagedFallback("video_inputs", f"video inputs {video} are not served paged yet")
+        return Refusal("video_inputs", f"video inputs {video} are not served paged yet")
     return found or None
 
 
@@ -285,13 +296,15 @@ def _prompt_rows(input_ids, keep, embeds) -> tuple[list[list[int]], list | None]
     return prompts, rows
 
 
-def _check_generation_config(gen, mode) -> None:
+def _generation_config_refusal(gen, mode) -> Refusal | None:
+    """Why the prepared generation config runs stock, or None."""
     if mode not in _SERVED_MODES:
-        raise PagedFallback(mode.value, f"the generation mode is {mode.value}")
+        return Refusal(mode.value, f"the generation mode is {mode.value}")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gen, flag, False):
-            raise PagedFallback(flag, f"{flag}=True needs the model's own forward")
+            return Refusal(flag, f"{flag}=True needs the model's own forward")
     if gen.guidance_scale is not None and gen.guidance_scale != 1:
-        raise PagedFallback("guidance_scale", "classifier-free guidance runs a second model pass")
+        return Refusal("guidance_scale", "classifier-free guidance runs a second model pass")
     if getattr(gen, "token_healing", False):
-        raise PagedFallback("token_healing", "token_healing rewrites the prompt")
+        return Refusal("token_healing", "token_healing rewrites the prompt")
+    return None

@@ -64,13 +64,13 @@ def model_refusal(model) -> Refusal | None:
     """Why the engine can't serve ``model`` (an HF causal LM or a ``PeftModel``) as stock runs
     it, or None."""
     from hf_paged.layers.quantization.fp8_config import fp8_param_names
-    from hf_paged.models.registry import model_class_reason
+    from hf_paged.models.registry import model_class_refusal
 
     refusal = servable_refusal(model)
     if refusal is not None:
         return refusal
     model = peft.unwrap(model)  # a PeftModel: the HF model inside serves its calls
-    refusal = model_class_reason(type(model), model.config)
+    refusal = model_class_refusal(type(model), model.config)
     if refusal is not None:
         return refusal
     adapter_only = peft.adapter_parameter_names(model) if peft.tuner_modules(model) else set()

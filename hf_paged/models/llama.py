@@ -64,7 +64,7 @@ def head_dim_of(hf_config) -> int:
     )
 
 
-def fp8_layout_problem(hf_config) -> str | None:
+def fp8_layout_refusal(hf_config) -> Refusal | None:
     """Why the fused native layers cannot hold this FP8 checkpoint on one rank, or None: an FP8
     output head (ours is plain), fused modules partly FP8, or a block scale spanning two fused
     shards (a shard before the last not a multiple of ``weight_block_size[0]`` rows). HF's
@@ -77,7 +77,10 @@ def fp8_layout_problem(hf_config) -> str | None:
         return None
     tied = getattr(hf_config, "tie_word_embeddings", False)  # a tied head is plain (stock too)
     if quant.converts("lm_head") and not tied:
-        return "the checkpoint's output head lm_head is FP8; the native output head is plain"
+        return Refusal(
+            "fp8_layout",
+            "the checkpoint's output head lm_head is FP8; the native output head is plain",
+        )
     head_dim, kv = head_dim_of(hf_config), hf_config.num_key_value_heads
     inter = hf_config.intermediate_size
     fused = {
@@ -91,14 +94,15 @@ def fp8_layout_problem(hf_config) -> str | None:
             try:
                 layer = layer_quant(quant, full)
             except UnsupportedQuantizationError as e:
-                return str(e)
+                return Refusal("fp8_layout", str(e))
             if layer is not None and layer.block is not None:
                 bn = layer.block[0]
                 if any(r % bn for r in rows[:-1]):
-                    return (
+                    return Refusal(
+                        "fp8_layout",
                         f"the fused modules {list(names)} have {list(rows)} rows: a shard before "
                         f"the last is not a multiple of weight_block_size[0]={bn}, so one FP8 "
-                        "scale block would span two of them"
+                        "scale block would span two of them",
                     )
     return None
 
@@ -292,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         ]
 
     @staticmethod
-    def unsupported_reason(hf_config) -> Refusal | None:
+    def unsupported_refusal(hf_config) -> Refusal | None:
         """Why the native decoder refuses ``hf_config`` before building it (``model_impl="auto"``
         then takes the generic path), or None: an activation other than SiLU, a rope the
         native ``RotaryEmbedding`` does not build, an FP8 layout the fused layers can't hold."""
@@ -303,13 +307,12 @@ class LlamaForCausalLM(nn.Module):
             RotaryEmbedding(hf_config, head_dim_of(hf_config))
         except ValueError as e:
             return Refusal("rope", str(e))
-        why = fp8_layout_problem(hf_config)
-        return None if why is None else Refusal("fp8_layout", why)
+        return fp8_layout_refusal(hf_config)
 
     @staticmethod
-    def tp_problem(hf_config, tp_size: int) -> Refusal | None:
+    def tp_refusal(hf_config, tp_size: int) -> Refusal | None:
         """Why the MLP does not split over ``tp_size`` ranks (None: it does); the heads are
-        judged by ``registry.tp_split_problem``, the vocabulary is padded to fit."""
+        judged by ``registry.tp_split_refusal``, the vocabulary is padded to fit."""
         inter = hf_config.intermediate_size
         if inter % tp_size == 0:
             return None

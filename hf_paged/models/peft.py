@@ -16,7 +16,7 @@ When every tuner layer is plain unmerged LoRA on the projections the engine wrap
 serves the adapters unmerged from LoRA slots instead (``models/adapters``): per-row
 ``adapter_names`` included, and adapter changes need no rebuild.
 
-What the merged weights cannot reproduce is a ``Refusal`` (``unsupported_reason``): prompt
+What the merged weights cannot reproduce is a ``Refusal`` (``unsupported_refusal``): prompt
 learning (prompt/prefix/p-tuning), other tuner types (IA3, LoKr, OFT ...), LoRA variants (DoRA,
 aLoRA ...), per-row ``adapter_names`` (unless served from slots), a disabled layer whose
 adapter is merged (PEFT's forward would unmerge it, changing the weights), LoRA bias on a layer without one, and tuner layers on
@@ -90,7 +90,7 @@ def tuner_modules(model: nn.Module) -> dict[str, nn.Module]:
 # ---- what can be served --------------------------------------------------------------------
 
 
-def unsupported_reason(model) -> Refusal | None:
+def unsupported_refusal(model) -> Refusal | None:
     """Why merged weights can't reproduce the PEFT model's output, or None."""
     if is_peft_model(model):
         if any(c.is_prompt_learning for c in model.peft_config.values()):
@@ -109,10 +109,10 @@ def unsupported_reason(model) -> Refusal | None:
         return None
     slots = unmerged_refusal(model, tuners) is None  # per-row adapter_names served from slots
     for name, module in tuners.items():
-        reason = _layer_reason(name, module, slots)
+        reason = _layer_refusal(name, module, slots)
         if reason is not None:
             return reason
-    return _tied_reason(model, tuners)
+    return _tied_refusal(model, tuners)
 
 
 def _prompt_learning() -> Refusal:
@@ -123,7 +123,7 @@ def _prompt_learning() -> Refusal:
     )
 
 
-def _layer_reason(name: str, module: nn.Module, slots: bool = False) -> Refusal | None:
+def _layer_refusal(name: str, module: nn.Module, slots: bool = False) -> Refusal | None:
     _, wrapper, lora = _peft_types()
     if isinstance(module, wrapper):
         if type(module).__name__ != "ModulesToSaveWrapper":
@@ -141,7 +141,7 @@ def _layer_reason(name: str, module: nn.Module, slots: bool = False) -> Refusal 
     if (module._forward_pre_hooks or module._forward_hooks) and not slots:
         return Refusal("peft_adapter_names", f"forward hooks on {name!r} (per-row adapter_names?)")
     if not isinstance(module, wrapper) and not module.disable_adapters and not module.merged:
-        return _lora_variant_reason(name, module)
+        return _lora_variant_refusal(name, module)
     return None
 
 
@@ -153,7 +153,7 @@ def _tuner_kind(module: nn.Module) -> str:
     return type(module).__name__.lower()
 
 
-def _lora_variant_reason(name: str, module: nn.Module) -> Refusal | None:
+def _lora_variant_refusal(name: str, module: nn.Module) -> Refusal | None:
     for adapter in _applied_adapters(module):
         variant = module.lora_variant.get(adapter)
         if variant is not None:
@@ -180,7 +180,7 @@ def _applied_adapters(module: nn.Module) -> list[str]:
     return [a for a in module.active_adapters if a in present]
 
 
-def _tied_reason(model: nn.Module, tuners: dict[str, nn.Module]) -> Refusal | None:
+def _tied_refusal(model: nn.Module, tuners: dict[str, nn.Module]) -> Refusal | None:
     """A tuner layer on a weight that is tied to another (lm_head and embed_tokens): the
     engine holds one tensor for both, the PEFT model would adapt only one side."""
     names_of: dict[int, list[str]] = {}
@@ -263,10 +263,10 @@ def merged_weights(
     new tensors (the model is not changed); the others are the model's own parameters.
 
     Raises:
-        ValueError: ``unsupported_reason`` refuses the model (its detail is the message).
+        ValueError: ``unsupported_refusal`` refuses the model (its detail is the message).
     """
     model = unwrap(model)
-    reason = unsupported_reason(model)
+    reason = unsupported_refusal(model)
     if reason is not None:
         raise ValueError(f"this PEFT model can't run on the paged engine: {reason.tagged()}")
     for _, hf_name, value in _classify(model):

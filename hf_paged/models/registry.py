@@ -96,7 +96,7 @@ def resolve_model_class(hf_config, model_impl: str = "auto") -> type:
         ValueError: ``model_impl`` not one of ``MODEL_IMPLS``; "native" for an architecture
             without a native class; "generic" (or "auto" without a native class) while the
             generic path is not available. Each message names the reason. "auto" takes the
-            generic path also where the native class's ``unsupported_reason`` refuses the
+            generic path also where the native class's ``unsupported_refusal`` refuses the
             config (e.g. an FP8 layout its fused layers can't hold).
     """
     if model_impl not in MODEL_IMPLS:
@@ -113,7 +113,7 @@ def resolve_model_class(hf_config, model_impl: str = "auto") -> type:
         why = f"{what} has no native implementation, so model_impl='auto' needs it"
         return _generic_class(why)
     native = get_model_class(hf_config)
-    check = getattr(native, "unsupported_reason", None)
+    check = getattr(native, "unsupported_refusal", None)
     refusal = check(hf_config) if check is not None else None
     if refusal is None:
         return native
@@ -132,7 +132,7 @@ def is_supported(hf_config, model_impl: str = "auto") -> bool:
     return True
 
 
-def unsupported_reason(hf_config, model_impl: str = "auto") -> Refusal | None:
+def unsupported_refusal(hf_config, model_impl: str = "auto") -> Refusal | None:
     """Why the path ``model_impl`` picks cannot serve ``hf_config`` (reason "architecture"), or
     None. Cheap: builds nothing (the generic path's profile pass may still refuse a model when it
     is built)."""
@@ -140,14 +140,14 @@ def unsupported_reason(hf_config, model_impl: str = "auto") -> Refusal | None:
         cls = resolve_model_class(hf_config, model_impl)
     except ValueError as e:
         return Refusal("architecture", str(e))
-    check = getattr(cls, "unsupported_reason", None)
+    check = getattr(cls, "unsupported_refusal", None)
     return check(hf_config) if check is not None else None
 
 
-def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> Refusal | None:
+def model_class_refusal(model_cls: type, hf_config, model_impl: str = "auto") -> Refusal | None:
     """Why an in-memory model of class ``model_cls`` cannot be served, or None: the chosen path
     must serve its config and stand for exactly that class."""
-    why = unsupported_reason(hf_config, model_impl)
+    why = unsupported_refusal(hf_config, model_impl)
     if why is not None:
         return why
     cls = resolve_model_class(hf_config, model_impl)
@@ -161,21 +161,21 @@ def model_class_reason(model_cls: type, hf_config, model_impl: str = "auto") -> 
     return None
 
 
-def tp_split_problem(hf_config, tp_size: int, model_impl: str = "auto") -> Refusal | None:
+def tp_split_refusal(hf_config, tp_size: int, model_impl: str = "auto") -> Refusal | None:
     """Why a model does not split over ``tp_size`` ranks (None: it does), judged before any
     worker starts. Query heads must divide evenly; KV heads divide evenly or, when fewer than
     the ranks, replicate (``tp_size`` a multiple of them); then the path ``model_impl`` picks
-    says what else it needs (its ``tp_problem``: the generic path's TP plan)."""
+    says what else it needs (its ``tp_refusal``: the generic path's TP plan)."""
     if tp_size == 1:
         return None
-    why = _head_split_problem(hf_config, tp_size)
+    why = _head_split_refusal(hf_config, tp_size)
     if why is not None:
         return why
-    check = getattr(resolve_model_class(hf_config, model_impl), "tp_problem", None)
+    check = getattr(resolve_model_class(hf_config, model_impl), "tp_refusal", None)
     return check(hf_config, tp_size) if check is not None else None
 
 
-def _head_split_problem(hf_config, tp_size: int) -> Refusal | None:
+def _head_split_refusal(hf_config, tp_size: int) -> Refusal | None:
     cfg = getattr(hf_config, "text_config", None) or hf_config
     heads = getattr(cfg, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:

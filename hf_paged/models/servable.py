@@ -71,7 +71,7 @@ def servable_refusal(model, hf_config=None) -> Refusal | None:
     quantized = quantization_refusal(model if in_memory else hf_config)
     if quantized is not None or not in_memory:
         return quantized
-    return peft.unsupported_reason(model) or hook_refusal(model)
+    return peft.unsupported_refusal(model) or hook_refusal(model)
 
 
 # packages whose module classes the engine knows how to read (transformers' own and remote code,

@@ -21,8 +21,9 @@ from transformers import LogitsProcessor
 
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.integration import dispatch
-from hf_paged.integration.fallback import PagedFallback, PagedFallbackWarning
+from hf_paged.integration.fallback import PagedFallbackWarning
 from hf_paged.integration.prepare import prepare_call
+from hf_paged.refusal import Refusal
 from hf_paged.testing import build_hf_model
 
 NEW = 10
@@ -282,8 +283,8 @@ def test_what_stays_stock(models):
         (dict(num_beam_groups=2, diversity_penalty=0.5), "group_beam_search"),
         (dict(force_words_ids=[[5]]), "constrained_beam_search"),
     ):
-        with pytest.raises(PagedFallback, match=reason):
-            prepare_call(model, **base, **extra)
+        refusal = prepare_call(model, **base, **extra)
+        assert isinstance(refusal, Refusal) and refusal.reason == reason
     # one row's beams do not fit the tight engine at all: stock runs it
     tight = models[8]
     big = dict(base, num_beams=8, max_new_tokens=40)

@@ -103,15 +103,15 @@ def test_bidirectional_decoder_is_detected():
     MegatronBERT, RemBERT, BigBird) is named; today's classes pass."""
     from transformers import BigBirdModel, MegatronBertModel, RemBertModel, RoFormerModel
 
-    from hf_paged.models.generic.adapters._bert_style import bidirectional_reason
+    from hf_paged.models.generic.adapters._bert_style import bidirectional_refusal
 
     class Bidirectional(nn.Module):
         def forward(self, x):
             return create_bidirectional_mask(x)  # noqa: F821  (source only, never run)
 
     for cls in (RoFormerModel, MegatronBertModel, RemBertModel, BigBirdModel):
-        assert bidirectional_reason(cls) is None, cls
-    reason = bidirectional_reason(Bidirectional)
+        assert bidirectional_refusal(cls) is None, cls
+    reason = bidirectional_refusal(Bidirectional)
     assert reason is not None and "bidirectional attention mask for decoders" in reason.detail
 
 
@@ -139,9 +139,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _reason(model) -> str | None:
-    from hf_paged.models.generic.adapters._bert_style import bidirectional_reason
+    from hf_paged.models.generic.adapters._bert_style import bidirectional_refusal
 
-    refusal = bidirectional_reason(type(model.base_model))
+    refusal = bidirectional_refusal(type(model.base_model))
     return None if refusal is None else refusal.detail
 
 

@@ -117,11 +117,11 @@ def test_profile_records_per_layer_specs():
 
 def test_native_impl_refuses_other_architectures():
     from hf_paged.models.generic import GenericForCausalLM
-    from hf_paged.models.registry import resolve_model_class, unsupported_reason
+    from hf_paged.models.registry import resolve_model_class, unsupported_refusal
 
     config, _ = build_tiny("gemma2")
     assert resolve_model_class(config, "auto") is GenericForCausalLM
-    assert unsupported_reason(config) is None
+    assert unsupported_refusal(config) is None
     with pytest.raises(ValueError, match="not supported by hf_paged"):
         resolve_model_class(config, "native")
     with pytest.raises(ValueError, match="model_impl='x' is not allowed"):
@@ -185,7 +185,7 @@ def test_flattening_check_catches_token_mixing_layers(monkeypatch):
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()
     monkeypatch.delitem(registry.MIXERS, "Lfm2ShortConv")  # as if no mixer ran its conv layers
-    assert support.static_reason(config) is not None  # refused up front by its layer type
+    assert support.static_refusal(config) is not None  # refused up front by its layer type
     monkeypatch.setattr(support, "_ATTENTION_LAYER_TYPES", {"full_attention", "conv"})
     model = build_model(config, ModelContext(get_backend("torch")), torch.float32, "cpu")
     with pytest.raises(UnsupportedModelError, match="do not stay independent"):

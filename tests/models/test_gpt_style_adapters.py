@@ -186,14 +186,14 @@ def test_llama4_temperature_tuning_on_long_flattened_rows():
 
 def test_alibi_refused_without_an_adapter():
     """The ALiBi refusal is lifted for adapted classes only."""
-    from hf_paged.models.generic.support import static_reason
+    from hf_paged.models.generic.support import static_refusal
 
     falcon = shrink_config(CONFIG_MAPPING["falcon"]())
     falcon.alibi = True
-    assert static_reason(falcon) is None
+    assert static_refusal(falcon) is None
     gpt2 = shrink_config(CONFIG_MAPPING["gpt2"]())
     gpt2.alibi = True
-    assert "ALiBi position biases (alibi=True)" in static_reason(gpt2).detail
+    assert "ALiBi position biases (alibi=True)" in static_refusal(gpt2).detail
 
 
 def test_layer_sub_configs_are_text_models():

@@ -380,12 +380,12 @@ def test_tensor_parallel_ranks_in_threads_match_hf(family, overrides, tp, tmp_pa
 def test_auto_takes_generic_for_an_activation_native_refuses():
     """A llama with GELU: the native MLP raised at build under model_impl="auto"; now "auto"
     serves it on the generic path with stock's tokens, and "native" names the refusal."""
-    from hf_paged.models.registry import resolve_model_class, unsupported_reason
+    from hf_paged.models.registry import resolve_model_class, unsupported_refusal
     from hf_paged.testing import left_pad, make_prompts, stock_and_paged
 
     hf = build_hf_model("llama", seed=0, hidden_act="gelu")
     assert resolve_model_class(hf.config, "auto").__name__ == "GenericForCausalLM"
-    assert unsupported_reason(hf.config, "native").reason == "hidden_act"
+    assert unsupported_refusal(hf.config, "native").reason == "hidden_act"
     ids, mask = left_pad(make_prompts([3, 6], seed=2))
     stock, paged, *_ = stock_and_paged(
         hf, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
@@ -398,15 +398,15 @@ def test_tp_split_problem_names_an_mlp_that_does_not_split():
     """``intermediate_size`` 37 over 2 ranks: each path refuses by name before a worker starts
     (the native decoder said only 'output_sizes[i]=37 is not divisible by tp_size=2', from a
     worker)."""
-    from hf_paged.models.registry import tp_split_problem
+    from hf_paged.models.registry import tp_split_refusal
 
     odd = tiny_config("llama", intermediate_size=37)
-    native = tp_split_problem(odd, 2, "native")
+    native = tp_split_refusal(odd, 2, "native")
     assert native.reason == "tensor_parallel_size"
     assert "tensor_parallel_size=2 is not allowed" in native.detail
     assert "intermediate_size=37" in native.detail
-    generic = tp_split_problem(odd, 2, "generic")
+    generic = tp_split_refusal(odd, 2, "generic")
     assert "mlp.gate_proj.weight has 37 along dim 0" in generic.detail
-    assert tp_split_problem(odd, 1, "native") is None
-    assert tp_split_problem(tiny_config("llama"), 2, "native") is None
-    assert tp_split_problem(tiny_config("llama"), 2, "generic") is None
+    assert tp_split_refusal(odd, 1, "native") is None
+    assert tp_split_refusal(tiny_config("llama"), 2, "native") is None
+    assert tp_split_refusal(tiny_config("llama"), 2, "generic") is None

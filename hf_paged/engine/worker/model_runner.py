@@ -43,6 +43,7 @@ from hf_paged.models.loader import BaseWeights
 from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
+from hf_paged.refusal import Refusal
 
 _CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 _engine_numbers = itertools.count(1)  # names this process's engines in memory errors
@@ -145,7 +146,8 @@ class ModelRunner:
         self.memory.loaded()
         with timings.span("engine_start.kv_cache"):
             self.num_kv_blocks = self.allocate_kv_cache()
-        self.cuda_graph_reason = self._cuda_graph_problem()
+        refusal = self._cuda_graph_refusal()
+        self.cuda_graph_reason = None if refusal is None else refusal.detail
         if self.device.type == "cuda" and self.cuda_graph_reason is None:
             with timings.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
                 self.capture_cudagraph()  # decode compiles and captures
@@ -166,19 +168,29 @@ class ModelRunner:
         )
         return self.kv_cache
 
-    def _cuda_graph_problem(self) -> str | None:
+    def _cuda_graph_refusal(self) -> Refusal | None:
         """Why decode will run eagerly (None = it is captured, on CUDA)."""
         if self.config.enforce_eager:
-            return "enforce_eager=True"
+            return Refusal("cuda_graph", "enforce_eager=True")
         if self.lora is not None:
-            return "LoRA slots: each step's token-to-slot grouping is built on the host"
+            return Refusal(
+                "cuda_graph", "LoRA slots: each step's token-to-slot grouping is built on the host"
+            )
         if not getattr(self.model, "supports_cuda_graph", False):
             why = getattr(self.model, "cuda_graph_reason", None) or "the model says so"
-            return f"{type(self.model).__name__} does not support CUDA graphs: {why}"
+            return Refusal(
+                "cuda_graph", f"{type(self.model).__name__} does not support CUDA graphs: {why}"
+            )
         if not self.attn_backend.supports_cuda_graph:
-            return f"the {self.attn_backend.name!r} attention backend is not CUDA-graph safe"
+            return Refusal(
+                "cuda_graph",
+                f"the {self.attn_backend.name!r} attention backend is not CUDA-graph safe",
+            )
         if self.ctx.fallbacks:
-            return f"layers {sorted(self.ctx.fallbacks)} use the torch reference attention"
+            return Refusal(
+                "cuda_graph",
+                f"layers {sorted(self.ctx.fallbacks)} use the torch reference attention",
+            )
         return None
 
     def warmup_model(self) -> None:

@@ -49,8 +49,8 @@ from hf_paged.integration.contract.states import (
     recurrent_refusal,
     stock_states,
 )
-from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.prepare import CACHE_KWARGS, PreparedCall
+from hf_paged.refusal import Refusal
 
 # the layers of a passed DynamicCache the engine's KV (and state slots) fill as stock fills them
 _SERVED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer)
@@ -84,31 +84,34 @@ class CacheContract:
     kinds: list = dataclasses.field(default_factory=list)
 
 
-def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContract:
+def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContract | Refusal:
     """The call's cache duties: stock's empty cache built as stock builds it, whether it must be
     filled, and stock's compiled forward set up as stock does.
 
     Args:
         engine_of: returns the engine (only asked when the cache must be filled).
 
-    Raises:
-        PagedFallback: the reasons of ``_call_refusal`` and ``_engine_refusal``.
+    Returns:
+        The contract, or the ``Refusal`` of cache duties only stock serves (``generate_paged``
+        raises it): the reasons of ``_call_refusal`` and ``_engine_refusal``.
     """
     gen = call.generation_config
     use_cache = gen.use_cache is not False
     wants = bool(gen.return_dict_in_generate) and use_cache
     default_ok = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)()
     if wants and not default_ok:  # stock's cache comes from the model's own forward
-        raise PagedFallback(
+        return Refusal(
             "returned_cache", f"{type(model).__name__} builds a cache of its own in its forward"
         )
     refusal = _call_refusal(model, call, passed, wants)
     if refusal is not None:
-        raise PagedFallback(*refusal)
+        return refusal
     if passed is not None:
         cache = passed
     elif use_cache and default_ok:
         cache = _stock_cache(model, call)
+        if isinstance(cache, Refusal):
+            return cache
     else:
         cache = None
     if cache is not None:
@@ -118,12 +121,12 @@ def cache_contract(model, call: PreparedCall, passed, engine_of) -> CacheContrac
     if fill:
         refusal = _engine_refusal(model, engine_of())
         if refusal is not None:
-            raise PagedFallback(*refusal)
+            return refusal
         kinds = layer_kinds(model, model.config.get_text_config(decoder=True).num_hidden_layers)
     return CacheContract(cache, passed is not None, fill, kinds)
 
 
-def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, str] | None:
+def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> Refusal | None:
     """(reason, message) when the call's cache duties need stock, judged without the engine."""
     gen = call.generation_config
     if passed is None and not wants:
@@ -133,29 +136,32 @@ def _call_refusal(model, call: PreparedCall, passed, wants: bool) -> tuple[str, 
         return refusal
     if passed is not None:
         if call.prompt_embeds is not None:
-            return "past_key_values", "a cache was passed with inputs_embeds or images"
+            return Refusal("past_key_values", "a cache was passed with inputs_embeds or images")
         if isinstance(passed, (tuple, list)):
-            return "past_key_values", "a legacy tuple cache was passed in (stock decides)"
+            return Refusal("past_key_values", "a legacy tuple cache was passed in (stock decides)")
         name = type(passed).__name__
         if (
             type(passed) is not DynamicCache
             or passed.offloading
             or not all(type(layer) in _SERVED_LAYERS for layer in passed.layers)
         ):
-            return "past_key_values", f"a {name} with its own layers was passed in"
+            return Refusal("past_key_values", f"a {name} with its own layers was passed in")
         if gen.cache_implementation is not None:
-            return "past_key_values", "a cache and cache_implementation were both passed"
+            return Refusal("past_key_values", "a cache and cache_implementation were both passed")
         if gen.use_cache is False:
-            return "past_key_values", "a cache was passed with use_cache=False"
+            return Refusal("past_key_values", "a cache was passed with use_cache=False")
         length, rows = passed.get_seq_length(), call.input_ids.shape[0]
         if length and _batch_of(passed) != rows:
-            return "past_key_values", f"the cache passed in holds another batch than {rows} rows"
+            return Refusal(
+                "past_key_values", f"the cache passed in holds another batch than {rows} rows"
+            )
         if length >= call.input_ids.shape[1]:
-            return "past_key_values", "the cache passed in covers all of input_ids"
+            return Refusal("past_key_values", "the cache passed in covers all of input_ids")
     if gen.cache_implementation not in _SERVED_IMPLEMENTATIONS and wants:
-        return "cache_implementation", (
+        return Refusal(
+            "cache_implementation",
             f"cache_implementation={gen.cache_implementation!r} stores its cache in a form "
-            "(quantized or offloaded) the engine's KV blocks are not copied into"
+            "(quantized or offloaded) the engine's KV blocks are not copied into",
         )
     return None
 
@@ -171,22 +177,25 @@ def _batch_of(cache) -> int | None:
     return None
 
 
-def _engine_refusal(model, engine) -> tuple[str, str] | None:
+def _engine_refusal(model, engine) -> Refusal | None:
     """(reason, message) when the engine's KV cannot become stock's cache layers."""
     config = engine.runtime.config
     if not hasattr(engine, "request_kv"):
-        return "returned_cache", f"{type(engine).__name__} cannot read its KV blocks back"
+        return Refusal("returned_cache", f"{type(engine).__name__} cannot read its KV blocks back")
     if config.tensor_parallel_size != 1:
-        return "returned_cache_tp", "the KV heads of a tensor-parallel engine live in its workers"
+        return Refusal(
+            "returned_cache_tp", "the KV heads of a tensor-parallel engine live in its workers"
+        )
     if getattr(config, "kv_cache_dtype", "auto") != "auto":
-        return "returned_cache_fp8", f"the engine stores KV as {config.kv_cache_dtype}"
+        return Refusal("returned_cache_fp8", f"the engine stores KV as {config.kv_cache_dtype}")
     specs = _kv_specs(engine)
     text = model.config.get_text_config(decoder=True)
     layers = getattr(text, "num_hidden_layers", None)
     kv_layers = sum(kind == "kv" for kind, _ in layer_kinds(model, layers or 0))
     if specs is not None and len(specs) != kv_layers:
-        return "returned_cache_layers", (
-            f"the engine has {len(specs)} KV layers for stock's {kv_layers} attention layers"
+        return Refusal(
+            "returned_cache_layers",
+            f"the engine has {len(specs)} KV layers for stock's {kv_layers} attention layers",
         )
     return None
 
@@ -208,7 +217,7 @@ def _stock_cache(model, call: PreparedCall):
             gen, model_kwargs, None, rows // per_input, gen.max_length - 1
         )
     except Exception as e:  # stock raises the same when it builds it: let it
-        raise PagedFallback("cache_implementation", f"stock's cache cannot be built: {e}") from e
+        return Refusal("cache_implementation", f"stock's cache cannot be built: {e}")
     return model_kwargs.get("cache")
 
 
@@ -224,18 +233,15 @@ def _set_up_compiled_forward(model, gen, cache) -> None:
 # ---- the content --------------------------------------------------------------------------
 
 
-def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
-    """A passed cache holds the engine's KV (and a hybrid's states) of ``input_ids``' first
-    tokens (what this model computes for them), within the dtype's tolerance, at every attended
-    position it keeps.
-
-    Raises:
-        PagedFallback: it holds something else (other tokens, another model's KV).
-    """
+def check_passed(contract: CacheContract, engine, call: PreparedCall) -> Refusal | None:
+    """None when a passed cache holds the engine's KV (and a hybrid's states) of ``input_ids``'
+    first tokens (what this model computes for them), within the dtype's tolerance, at every
+    attended position it keeps; else the ``Refusal`` of a cache that holds something else (other
+    tokens, another model's KV)."""
     cache = contract.cache
     length = int(cache.get_seq_length()) if contract.passed else 0
     if not length:
-        return
+        return None
     mask = call.attention_mask[:, :length].bool()  # [N, P]
     kv, states = padded_kv(engine, call.input_ids[:, :length], mask)
     for idx, (kind, j) in enumerate(contract.kinds[: len(cache.layers)]):
@@ -249,10 +255,11 @@ def check_passed(contract: CacheContract, engine, call: PreparedCall) -> None:
             pairs = [(held.transpose(1, 2)[keep], mine[:, :, length - n :].transpose(1, 2)[keep])
                      for held, mine in ((layer.keys, kv[j][0]), (layer.values, kv[j][1]))]  # fmt: skip
         if not all(_close(held, mine) for held, mine in pairs):
-            raise PagedFallback(
+            return Refusal(
                 "past_key_values",
                 f"the cache passed in is not this model's KV of input_ids' first {length} tokens",
             )
+    return None
 
 
 def _close(held: torch.Tensor | None, mine: torch.Tensor) -> bool:

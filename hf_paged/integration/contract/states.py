@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from hf_paged.models.recurrent.registry import MIXERS, recurrent_modules
+from hf_paged.refusal import Refusal
 
 _SERVED = {"gated_delta:GatedDeltaNetMixer"}  # mixers whose states map onto stock's layers
 
 
-def recurrent_refusal(model, passed: bool) -> tuple[str, str] | None:
-    """(reason, message) when a model's recurrent layers keep the call from returning or taking
+def recurrent_refusal(model, passed: bool) -> Refusal | None:
+    """Why a model's recurrent layers keep the call from returning or taking
     stock's cache (``passed``: one was passed in), or None (no recurrent layer, or served ones)."""
     found = recurrent_modules(model)
     if not found:
@@ -34,9 +35,10 @@ def recurrent_refusal(model, passed: bool) -> tuple[str, str] | None:
                        not in _SERVED})  # fmt: skip
     if unserved or not all(isinstance(getattr(m, "layer_idx", None), int) for _, m in found):
         what = "a cache passed in to" if passed else "the returned cache of"
-        return "recurrent_cache", (
+        return Refusal(
+            "recurrent_cache",
             f"{what} a model with recurrent layers ({(unserved or [name])[0]}) holds their conv "
-            "and recurrent states, which the engine keeps in another form"
+            "and recurrent states, which the engine keeps in another form",
         )
     return None
 

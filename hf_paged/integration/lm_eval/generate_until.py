@@ -20,10 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.engine.core.request import EngineRequest
-from hf_paged.integration import paged_call
-from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 from hf_paged.integration.lm_eval.stop_text import until_matcher
+from hf_paged.integration.loras import active_lora_key
+from hf_paged.integration.plan import PlanCache
+from hf_paged.integration.route import Native, route
+from hf_paged.refusal import Refusal
+
+_NOT_NATIVE = Refusal("logits_processor", "the call needs processors the engine lacks")
 
 
 @dataclass
@@ -37,11 +41,9 @@ class _Row:
     max_gen_toks: int
 
 
-def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
-    """The generated strings, in request order.
-
-    Raises:
-        PagedFallback: before anything runs, when a request needs stock ``generate``.
+def generate_until(lm, requests, disable_tqdm: bool) -> list[str] | Refusal:
+    """The generated strings, in request order; or, before anything runs, the ``Refusal`` of
+    requests that need stock ``generate`` (``route`` raises a call's own as ``PagedFallback``).
     """
     from lm_eval.models.utils import Collator, postprocess_generated_text
 
@@ -54,12 +56,19 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     batch_size = lm.batch_size if isinstance(lm.batch_size, int) else 1
     rows: list[_Row] = []
     for chunk in re_ords.get_batched(n=batch_size, batch_fn=None):
-        rows.extend(_rows(lm, chunk))
-    need = max(len(r.prompt) + r.max_gen_toks for r in rows)
-    with owner_for(lm, need).hold() as held:
+        batch = _rows(lm, chunk)
+        if isinstance(batch, Refusal):
+            return batch
+        rows.extend(batch)
+    owner = owner_for(lm, max(len(r.prompt) + r.max_gen_toks for r in rows))
+    if isinstance(owner, Refusal):
+        return owner
+    with owner.hold() as held:
         engine = held.get()
-        requests = _requests(lm, engine.runtime, rows)
-        key = paged_call.active_lora_key(lm.model, engine)  # a PEFT model's active adapters
+        requests = _requests(lm, engine, rows)
+        if isinstance(requests, Refusal):
+            return requests
+        key = active_lora_key(lm.model, engine)  # a PEFT model's active adapters
         for r in requests:
             r.lora_key = key
         outs = run_requests(
@@ -85,8 +94,9 @@ def generate_until(lm, requests, disable_tqdm: bool) -> list[str]:
     return re_ords.get_original(res)
 
 
-def _rows(lm, chunk) -> list[_Row]:
-    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts."""
+def _rows(lm, chunk) -> list[_Row] | Refusal:
+    """One stock batch: its gen_kwargs as stock reads them, its rows' prompts (or why it runs
+    stock)."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
     contexts, all_gen_kwargs = zip(*chunk, strict=True)
@@ -102,7 +112,7 @@ def _rows(lm, chunk) -> list[_Row]:
             f"max_length ({lm.max_length})"
         )
     if "max_length" in kwargs:
-        raise PagedFallback("max_length", "max_length in gen_kwargs counts from the padded batch")
+        return Refusal("max_length", "max_length in gen_kwargs counts from the padded batch")
     _model_generate_kwargs(kwargs)
     stops = tuple(s for s in until if s)  # stock skips '' when it trims
     ids, mask = lm.tok_batch_encode(
@@ -124,30 +134,31 @@ def _model_generate_kwargs(kwargs: dict) -> None:
         kwargs.pop("temperature")
 
 
-def _requests(lm, runtime, rows: list[_Row]) -> list[EngineRequest]:
-    """One engine request per row: stock's ``model.generate`` call on the row alone, planned
-    (``paged_call.plan_generate``, one preparation per distinct set of options), with lm-eval's
-    stop rule as its stop-string matcher."""
-    plans = paged_call.PlanCache()
+def _requests(lm, engine, rows: list[_Row]) -> list[EngineRequest] | Refusal:
+    """One engine request per row: stock's ``model.generate`` call on the row alone, routed
+    (``route``, one preparation per distinct set of options) and taken in the form the engine
+    takes, with lm-eval's stop rule as its stop-string matcher; or the ``Refusal`` of a row
+    whose call the engine does not sample itself."""
+    plans = PlanCache()
     out = []
     for row in rows:
         ids = torch.tensor([row.prompt], dtype=torch.long, device=lm.device)
-        call = paged_call.plan_generate(lm.model, runtime, {
+        routed = route(lm.model, {
             "input_ids": ids, "attention_mask": torch.ones_like(ids),
             "max_length": len(row.prompt) + row.max_gen_toks,
             "pad_token_id": lm.tokenizer.pad_token_id, "use_cache": True, **row.kwargs,
-        }, plans)  # fmt: skip
-        if not isinstance(call, paged_call.NativeCall):
-            raise PagedFallback("logits_processor", "the call needs processors the engine lacks")
-        req = call.requests[0]
+        }, lambda: engine, cache=plans)  # fmt: skip
+        if not isinstance(routed, Native):
+            return _NOT_NATIVE
+        req = routed.requests[0]
+        params = req.params
         if "" in row.until:  # in every text: stock's criterion ends the row at its first token
-            params = dataclasses.replace(req.params, max_tokens=1,
-                                         min_tokens=min(req.params.min_tokens, 1))  # fmt: skip
-            req = EngineRequest(req.prompt_token_ids, params)
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            req = dataclasses.replace(req, params=params)
         elif row.stops:
-            matcher = until_matcher(lm.tokenizer, row.stops, len(row.prompt))
-            req = EngineRequest(req.prompt_token_ids,
-                                dataclasses.replace(req.params, stop=row.stops),
-                                stop_strings=matcher)  # fmt: skip
+            req = dataclasses.replace(
+                req, params=dataclasses.replace(params, stop=row.stops),
+                stop_strings=until_matcher(lm.tokenizer, row.stops, len(row.prompt)),
+            )  # fmt: skip
         out.append(req)
     return out

@@ -11,7 +11,7 @@ model is ``hf-paged``; otherwise it is stock's. What it serves:
   batches, so BOS and left-truncation to ``max_length - max_gen_toks`` are stock's), then every
   row in one engine run with its own stop strings (``until`` plus the EOS text) and
   ``max_gen_toks``; the text is trimmed as stock trims it. Sampling parameters come from HF's own
-  preparation of the same ``generate`` call (``paged_call.plan_generate``), so the model's
+  preparation of the same ``generate`` call (``route``), so the model's
   generation config counts as in stock (``generate_until.py``).
 * ``loglikelihood``: stock's tokenization (``TemplateLM.loglikelihood``), each distinct string
   encoded once by the tokenizer's batch call (``tokenize.py``), then ``_loglikelihood_tokens``;
@@ -35,6 +35,7 @@ import threading
 
 from hf_paged import timings
 from hf_paged.integration import hooks
+from hf_paged.refusal import Refusal
 
 # The request adapters (and through them torch, transformers and the engine) load at the first
 # request, not here: ``hf-paged run`` installs this patch before the program starts, and a
@@ -107,7 +108,8 @@ def _patch(hflm_cls) -> None:
 
 def _serve(method: str, adapter: str, original, self, requests, **kwargs):
     """``adapter`` (``"module:function"`` of this package) when this HFLM runs paged, else (or
-    on a named fallback) stock's ``original``."""
+    on a named fallback: the ``Refusal`` the adapter returns, or the ``PagedFallback`` a
+    ``generate`` call's route raises) stock's ``original``."""
     from hf_paged.integration.fallback import PagedFallback, warn_fallback
     from hf_paged.integration.lm_eval.serving import is_active
 
@@ -118,10 +120,13 @@ def _serve(method: str, adapter: str, original, self, requests, **kwargs):
         module, _, name = adapter.partition(":")
         paged = getattr(importlib.import_module(f"hf_paged.integration.lm_eval.{module}"), name)
         try:
-            return paged(self, requests, kwargs.get("disable_tqdm", False))
+            result = paged(self, requests, kwargs.get("disable_tqdm", False))
         except PagedFallback as fb:
-            warn_fallback(fb, f"lm-eval HFLM.{method}")
-            return _stock(original, self, requests, **kwargs)
+            result = fb.refusal
+        if not isinstance(result, Refusal):
+            return result
+        warn_fallback(result, f"lm-eval HFLM.{method}")
+        return _stock(original, self, requests, **kwargs)
 
 
 def _stock(original, self, requests, **kwargs):

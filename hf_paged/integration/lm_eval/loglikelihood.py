@@ -11,10 +11,11 @@ one engine run, the continuations of a context sharing its KV through the prefix
 from __future__ import annotations
 
 from hf_paged.engine.core.request import EngineRequest
-from hf_paged.integration import paged_call
 from hf_paged.integration.lm_eval.scoring import loglikelihood_result, score_params, score_window
 from hf_paged.integration.lm_eval.serving import owner_for, run_requests
 from hf_paged.integration.lm_eval.tokenize import encode_many
+from hf_paged.integration.loras import active_lora_key
+from hf_paged.refusal import Refusal
 
 
 def tokenizes_as_stock(lm) -> bool:
@@ -72,18 +73,17 @@ def loglikelihood(lm, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
     return lm._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
 
 
-def loglikelihood_tokens(lm, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
-    """``[(logprob, is_greedy)]`` in request order.
-
-    Raises:
-        PagedFallback: before anything runs, when the model or the call runs stock.
-    """
+def loglikelihood_tokens(lm, requests, disable_tqdm: bool) -> list[tuple[float, bool]] | Refusal:
+    """``[(logprob, is_greedy)]`` in request order; or, before anything runs, the ``Refusal``
+    of a model or call that runs stock."""
     windows = [score_window(ctx, cont, lm.max_length) for _, ctx, cont in requests]
     # the engine's prompt is a window without its last token, plus one discarded new token
-    need = max(len(w) for w, _ in windows)
-    with owner_for(lm, need, scoring=True).hold() as held:
+    owner = owner_for(lm, max(len(w) for w, _ in windows), scoring=True)
+    if isinstance(owner, Refusal):
+        return owner
+    with owner.hold() as held:
         engine = held.get()
-        key = paged_call.active_lora_key(lm.model, engine)  # a PEFT model's active adapters
+        key = active_lora_key(lm.model, engine)  # a PEFT model's active adapters
         outs = run_requests(
             engine,
             [EngineRequest(w[:-1], score_params(w, start), lora_key=key) for w, start in windows],
@@ -97,8 +97,9 @@ def loglikelihood_tokens(lm, requests, disable_tqdm: bool) -> list[tuple[float, 
     return results
 
 
-def loglikelihood_rolling(lm, requests, disable_tqdm: bool) -> list[float]:
-    """One total logprob per document, with stock's windows, all scored in one engine run."""
+def loglikelihood_rolling(lm, requests, disable_tqdm: bool) -> list[float] | Refusal:
+    """One total logprob per document, with stock's windows, all scored in one engine run (or
+    the ``Refusal`` of ``loglikelihood_tokens``)."""
     from lm_eval import utils
 
     windows, counts = [], []
@@ -116,6 +117,8 @@ def loglikelihood_rolling(lm, requests, disable_tqdm: bool) -> list[float]:
         windows.extend(doc)
         counts.append(len(doc))
     scores = loglikelihood_tokens(lm, windows, disable_tqdm)
+    if isinstance(scores, Refusal):
+        return scores
     out, pos = [], 0
     for req, n in zip(requests, counts, strict=True):
         total = sum(s[0] for s in scores[pos : pos + n])

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from hf_paged.config import EngineConfig
 from hf_paged.engine.runtime import default_max_model_len, rope_length_limit
 from hf_paged.integration import dispatch, servable
-from hf_paged.integration.fallback import PagedFallback
+from hf_paged.refusal import Refusal
 
 
 def is_active(lm) -> bool:
@@ -19,17 +19,15 @@ def is_active(lm) -> bool:
     return getattr(lm, "always_paged", False) or dispatch.get_default_backend() == "paged"
 
 
-def check_served(lm) -> None:
-    """PagedFallback when the HFLM or its model is something the engine does not reproduce."""
+def served_refusal(lm) -> Refusal | None:
+    """Why the HFLM or its model is something the engine does not reproduce, or None."""
     if lm.backend != "causal":
-        raise PagedFallback("seq2seq", f"the model is {lm.backend}, not a causal decoder")
+        return Refusal("seq2seq", f"the model is {lm.backend}, not a causal decoder")
     if lm.world_size > 1:
-        raise PagedFallback("data_parallel", f"lm-eval runs {lm.world_size} ranks")
+        return Refusal("data_parallel", f"lm-eval runs {lm.world_size} ranks")
     if getattr(lm, "mixed_precision_dtype", None) is not None:
-        raise PagedFallback("autocast", f"mixed_precision_dtype={lm.mixed_precision_dtype}")
-    refusal = servable.precheck(lm.model, {}, {})
-    if refusal is not None:
-        raise PagedFallback.of(refusal)
+        return Refusal("autocast", f"mixed_precision_dtype={lm.mixed_precision_dtype}")
+    return servable.precheck(lm.model, {}, {})
 
 
 # prompt-scoring steps: long prompts run in fewer, larger steps (evaluation/results/
@@ -39,7 +37,8 @@ SCORING_BATCHED_TOKENS = 16384
 
 def owner_for(lm, max_model_len: int, scoring: bool = False):
     """The engine owner of ``lm``'s model, configured so that its engine holds
-    ``max_model_len`` tokens (what the run's longest request needs).
+    ``max_model_len`` tokens (what the run's longest request needs); or the ``Refusal`` of an
+    HFLM, model or length the engine does not serve.
 
     An engine already built with room enough is kept; otherwise the model's engine config
     (``hf_paged.configure``) is raised to ``max_model_len`` before the next build, so a run
@@ -48,10 +47,12 @@ def owner_for(lm, max_model_len: int, scoring: bool = False):
     ``scoring`` (loglikelihood requests): an engine still to be built, on options the user did
     not set, takes steps of ``SCORING_BATCHED_TOKENS``.
     """
-    check_served(lm)
+    refusal = served_refusal(lm)
+    if refusal is not None:
+        return refusal
     too_long = rope_length_limit(lm.model.config, max_model_len)
     if too_long is not None:
-        raise PagedFallback("rope_length", too_long)
+        return Refusal("rope_length", too_long)
     owner = dispatch.owner(lm.model)
     want = owner.configured or owner.built_with or EngineConfig()
     if owner.engine is not None:

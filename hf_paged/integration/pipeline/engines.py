@@ -1,6 +1,6 @@
-"""Which engine a pipeline batch runs on: the HF model's (through the dispatcher) or a
-``PagedModelForCausalLM``'s; batches with the same key share one engine run. (The way a call
-runs on that engine, native, external or beams, is ``integration/route.py``'s.)"""
+"""Which engine a pipeline batch runs on (``EngineTarget``): the HF model's (through the
+dispatcher) or a ``PagedModelForCausalLM``'s; batches with the same key share one engine run.
+(How a call runs on that engine, native, external or beams, is ``route``'s.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ NOT_FORWARDED = ("backend", "paged_config", *dispatch.NOT_FORWARDED)
 
 
 @dataclass(frozen=True)
-class BatchEngine:
+class EngineTarget:
+    """The engine a batch runs on, and what its calls are prepared and prechecked against."""
+
     key: tuple  # batches with the same key share one engine run
     prep_model: object  # what stock's preparation runs on
     hold: Callable  # () -> context manager yielding the engine
@@ -40,7 +42,7 @@ def engine_key(model, kwargs: dict) -> tuple | None:
     return ("hf", paged_config)
 
 
-def batch_engine(model, kwargs: dict) -> BatchEngine | None:
+def engine_target(model, kwargs: dict) -> EngineTarget | None:
     """How a batch with these ``generate`` keywords reaches the engine; None: it doesn't."""
     from hf_paged.integration.auto import PagedModelForCausalLM
 
@@ -49,12 +51,12 @@ def batch_engine(model, kwargs: dict) -> BatchEngine | None:
         return None
     if isinstance(model, PagedModelForCausalLM):
         skeleton = model.skeleton  # on the meta device by design: argument checks only
-        return BatchEngine(key, skeleton, model.hold_engine,
+        return EngineTarget(key, skeleton, model.hold_engine,
                      lambda kw: servable.precheck(skeleton, kw, kw, model_checks=False))  # fmt: skip
     # the model's own checks walk its parameters: once per engine (one pipeline call), not per
     # batch (at batch_size 1 they were a third of a 64-prompt call's time on the H200)
     model_refusal = functools.cache(lambda: servable.model_refusal(model))
-    return BatchEngine(
+    return EngineTarget(
         key, model, lambda: dispatch.hold_engine(model, key[1]),
         lambda kw: servable.precheck(model, kw, kw, model_checks=False) or model_refusal(),
     )  # fmt: skip

@@ -32,10 +32,11 @@ from transformers.pipelines.base import no_collate_fn, pad_collate_fn
 from transformers.pipelines.pt_utils import PipelineDataset, PipelineIterator
 from transformers.pipelines.text_generation import TextGenerationPipeline
 
-from hf_paged.integration import paged_call
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.pipeline.capture import KwargsCache
-from hf_paged.integration.pipeline.engines import NOT_FORWARDED, batch_engine, engine_key
+from hf_paged.integration.pipeline.engines import NOT_FORWARDED, engine_key, engine_target
+from hf_paged.integration.plan import PlanCache
+from hf_paged.integration.route import Native, route
 
 
 class StreamingTextGenerationMixin:
@@ -143,7 +144,7 @@ class _Job:
     """A batch whose rows are in the engine."""
 
     item: _Item
-    call: paged_call.NativeCall
+    call: Native
     requests: list
     tokens: list = field(default_factory=list)  # per row: new token ids, None until done
     num_open: int = 0
@@ -158,7 +159,7 @@ class BatchStream:
         self._forward_params = forward_params
         self._it = None
         self._next: _Item | None = None  # pulled, not yet handled
-        self._plans = paged_call.PlanCache()
+        self._plans = PlanCache()
         self._kwargs = KwargsCache(pipe, forward_params)
 
     def __len__(self) -> int:
@@ -175,15 +176,15 @@ class BatchStream:
                 raise item.error
             if item.inputs is None:
                 return
-            way = None if item.stock else batch_engine(self._pipe.model, item.kwargs)
+            target = None if item.stock else engine_target(self._pipe.model, item.kwargs)
             with contextlib.ExitStack() as held:
                 try:
-                    engine = None if way is None else held.enter_context(way.hold())
+                    engine = None if target is None else held.enter_context(target.hold())
                 except (PagedFallback, RuntimeError):  # this thread holds the engine already
                     engine = None
-                job = None if engine is None else self._prepare(item, engine, way)
+                job = None if engine is None else self._prepare(item, engine, target)
                 if job is not None:
-                    yield from self._segment(engine, way, job)
+                    yield from self._segment(engine, target, job)
                     continue
             yield self._pipe.forward(item.inputs, **self._forward_params)
 
@@ -205,24 +206,23 @@ class BatchStream:
         except Exception as e:
             return _Item(error=e)
 
-    def _prepare(self, item: _Item, engine, way) -> _Job | None:
+    def _prepare(self, item: _Item, engine, target) -> _Job | None:
         """The batch's engine requests, or None (marks the item) when it needs the pipeline's
         own forward. Raises what stock's preparation of the call raises."""
         kwargs = {k: v for k, v in item.kwargs.items() if k not in NOT_FORWARDED}
         native = None
-        if kwargs.get("input_ids") is not None and way.precheck(item.kwargs) is None:
+        if kwargs.get("input_ids") is not None and target.precheck(item.kwargs) is None:
             try:
-                native = paged_call.plan_generate(way.prep_model, engine.runtime, kwargs,
-                                                  self._plans, engine)  # fmt: skip
+                native = route(target.prep_model, kwargs, lambda: engine, cache=self._plans)
             except PagedFallback:
                 native = None
-        if not isinstance(native, paged_call.NativeCall):  # external sampling: per batch
+        if not isinstance(native, Native):  # external sampling, beams: per batch
             item.stock = True
             return None
         return _Job(item, native, native.requests, [None] * len(native.requests),
                     len(native.requests))  # fmt: skip
 
-    def _segment(self, engine, way, first: _Job):
+    def _segment(self, engine, target, first: _Job):
         """One engine run over consecutive batches that the engine samples itself; yields each
         batch's model outputs as soon as it and every batch before it are done."""
         pending: collections.deque[_Job] = collections.deque()
@@ -240,12 +240,12 @@ class BatchStream:
                 if (
                     item.inputs is None
                     or item.error is not None
-                    or way.key != engine_key(self._pipe.model, item.kwargs)
+                    or target.key != engine_key(self._pipe.model, item.kwargs)
                 ):
                     self._next = item  # handled after this run's requests are done
                     return
                 try:
-                    job = self._prepare(item, engine, way)
+                    job = self._prepare(item, engine, target)
                 except Exception as e:
                     job, self._next = None, _Item(error=e)
                 if job is None:

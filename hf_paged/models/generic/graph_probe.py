@@ -14,6 +14,7 @@ import torch
 
 from hf_paged.attention.base import AttentionMetadata
 from hf_paged.attention.kv_cache import KVCache
+from hf_paged.refusal import Refusal
 
 _BLOCKS_PER_SEQ = 2
 
@@ -48,7 +49,7 @@ def _decode_step(model, block_size: int):
 
 
 @torch.inference_mode()
-def cuda_graph_problem(model, block_size: int = 16) -> str | None:
+def cuda_graph_refusal(model, block_size: int = 16) -> Refusal | None:
     """Why ``model`` (a loaded ``GenericForCausalLM`` on CUDA) must decode eagerly, or None."""
     ids, pos, meta = _decode_step(model, block_size)
     states = meta.recurrent_states or []
@@ -66,9 +67,14 @@ def cuda_graph_problem(model, block_size: int = 16) -> str | None:
         torch.cuda.synchronize(model.device)
     except Exception as e:  # noqa: BLE001  host syncs and unsupported ops end up here
         torch.cuda.synchronize(model.device)
-        return f"capturing a decode step failed ({type(e).__name__}: {str(e)[:200]})"
+        return Refusal(
+            "cuda_graph", f"capturing a decode step failed ({type(e).__name__}: {str(e)[:200]})"
+        )
     finally:
         meta.kv_cache.release()
     if not torch.allclose(out.float(), eager.float(), rtol=1e-3, atol=1e-3):
-        return "a replayed decode step differs from the eager one (state captured at record time)"
+        return Refusal(
+            "cuda_graph",
+            "a replayed decode step differs from the eager one (state captured at record time)",
+        )
     return None

@@ -32,9 +32,9 @@ from hf_paged.models.generic.support import (
     UnsupportedModelError,
     check_supported,
     resolve_hf_class,
-    static_reason,
+    static_refusal,
 )
-from hf_paged.models.generic.tp import apply_tp_plan, tp_plan_problem
+from hf_paged.models.generic.tp import apply_tp_plan, tp_plan_refusal
 from hf_paged.models.generic.weights import (
     load_from_checkpoint,
     load_from_module,
@@ -99,12 +99,12 @@ class GenericForCausalLM(nn.Module):
         return cls(hf_config, ctx, dtype, device)
 
     @staticmethod
-    def unsupported_reason(hf_config) -> Refusal | None:
+    def unsupported_refusal(hf_config) -> Refusal | None:
         """Why the generic path refuses ``hf_config`` before building it, or None."""
-        return static_reason(hf_config)
+        return static_refusal(hf_config)
 
     @staticmethod
-    def tp_problem(hf_config, tp_size: int) -> Refusal | None:
+    def tp_refusal(hf_config, tp_size: int) -> Refusal | None:
         """Why this path cannot split ``hf_config`` over ``tp_size`` ranks, or None: judged on a
         meta build in the calling process, before any worker starts (each would fail alike)."""
         try:
@@ -114,15 +114,7 @@ class GenericForCausalLM(nn.Module):
         why = recurrent_refusal(model, tp_size)  # names tensor_parallel_size itself
         if why is not None:
             return why
-        detail = tp_plan_problem(model, tp_size)
-        if detail is None:
-            return None
-        return Refusal(
-            "tensor_parallel_size",
-            f"tensor_parallel_size={tp_size} is not allowed for {type(model).__name__} on the "
-            f"generic model path: {detail}; tensor_parallel_size must be 1, or a size its TP plan "
-            "splits evenly",
-        )
+        return tp_plan_refusal(model, tp_size)
 
     @staticmethod
     def hf_class(hf_config) -> type:
@@ -168,9 +160,10 @@ class GenericForCausalLM(nn.Module):
             self.state_specs = self.recurrent.state_specs()
         self._profile()
         if self.device.type == "cuda" and self.supports_cuda_graph:
-            from hf_paged.models.generic.graph_probe import cuda_graph_problem
+            from hf_paged.models.generic.graph_probe import cuda_graph_refusal
 
-            self.cuda_graph_reason = cuda_graph_problem(self, self.ctx.kv_block_size)
+            refusal = cuda_graph_refusal(self, self.ctx.kv_block_size)
+            self.cuda_graph_reason = None if refusal is None else refusal.detail
             self.supports_cuda_graph = self.cuda_graph_reason is None
 
     def refresh_weights(self, weights, dry_run: bool = False) -> int:

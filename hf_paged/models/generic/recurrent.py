@@ -37,7 +37,7 @@ def recurrent_refusal(model: nn.Module, tp_size: int) -> Refusal | None:
         return Refusal("architecture", f"{name} has recurrent layers no mixer serves yet "
                        f"(hybrid/recurrent): {', '.join(missing)}")  # fmt: skip
     if tp_size > 1:
-        return Refusal("tensor_parallel", f"{name}: tensor_parallel_size={tp_size} is not "
+        return Refusal("tensor_parallel_size", f"{name}: tensor_parallel_size={tp_size} is not "
                        f"allowed: recurrent layers ({type(found[0][1]).__name__}) are not "
                        "sharded; allowed: 1")  # fmt: skip
     return None

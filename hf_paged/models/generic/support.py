@@ -133,73 +133,88 @@ def checkpoint_class_reason(hf_config) -> str | None:
     return None
 
 
-def static_reason(hf_config) -> Refusal | None:
+def static_refusal(hf_config) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
-    or None. What depends on the engine's ``max_model_len`` (``length_reason``) is checked when
+    or None. What depends on the engine's ``max_model_len`` (``length_refusal``) is checked when
     the model is built."""
-    why = _static_why(hf_config) or _unverified_image_text(hf_config)
-    return None if why is None else Refusal("architecture", why)
+    return _config_refusal(hf_config) or _unverified_image_text(hf_config)
 
 
-def _unverified_image_text(hf_config) -> str | None:
+def _unverified_image_text(hf_config) -> Refusal | None:
     """Why a vision-language family the paged path has not been checked on runs stock."""
     cls = image_text_class(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if cls is None or model_type in VERIFIED_IMAGE_TEXT:
         return None
-    return (
+    return Refusal(
+        "architecture",
         f"{cls.__name__}: the paged path has not been checked against stock for the "
-        f"{model_type!r} vision-language family (served: {sorted(VERIFIED_IMAGE_TEXT)})"
+        f"{model_type!r} vision-language family (served: {sorted(VERIFIED_IMAGE_TEXT)})",
     )
 
 
-def _static_why(hf_config) -> str | None:
+def _config_refusal(hf_config) -> Refusal | None:
+    """Why the config's class, layers or fields are ones the generic path does not serve."""
     try:
         cls = resolve_hf_class(hf_config)
     except UnsupportedModelError as e:
-        return str(e)
+        return Refusal("architecture", str(e))
     name = cls.__name__
     if getattr(hf_config, "is_encoder_decoder", False):
-        return f"{name} is an encoder-decoder"
+        return Refusal("architecture", f"{name} is an encoder-decoder")
     recurrent = _recurrent_classes(cls)
     missing = _unserved(recurrent)
     if missing:
-        return (
+        return Refusal(
+            "architecture",
             f"{name} has recurrent layers no mixer serves yet (hybrid/recurrent): "
-            f"{', '.join(missing)}"
+            f"{', '.join(missing)}",
         )
     # a model of recurrent layers alone has no attention at all (Mamba): the profile pass checks
     if not recurrent and not _uses_attention_interface(cls):
-        return f"{name} does not route attention through transformers' AttentionInterface"
+        return Refusal(
+            "architecture",
+            f"{name} does not route attention through transformers' AttentionInterface",
+        )
     from hf_paged.layers.quantization import unserved_quantization
 
     quantized = unserved_quantization(hf_config)
     if quantized is not None:
-        return f"{name} has a quantization_config ({quantized[0]}) the engine does not serve"
+        return Refusal(
+            "architecture",
+            f"{name} has a quantization_config ({quantized[0]}) the engine does not serve",
+        )
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     vlm = image_text_class(hf_config) is cls
     if text is not hf_config and text.model_type != hf_config.model_type and not vlm:
-        return f"{name} is multimodal (text config {text.model_type!r} inside)"
+        return Refusal(
+            "architecture", f"{name} is multimodal (text config {text.model_type!r} inside)"
+        )
     if vlm:
         from hf_paged.models.image_masks import image_mask_rule
 
         rule = image_mask_rule(hf_config)  # bidirectional image blocks: served as ranges
         if isinstance(rule, Refusal):
-            return f"{name}: {rule.detail}"
+            return Refusal("architecture", f"{name}: {rule.detail}")
         family = _ONE_BASED_POSITIONS.get(getattr(hf_config, "model_type", None))
         if family is not None:
-            return f"{name}: {family}'s decoder positions start at 1; the engine's start at 0"
+            return Refusal(
+                "architecture",
+                f"{name}: {family}'s decoder positions start at 1; the engine's start at 0",
+            )
     adapted = _adapted(cls)
     for key, what in _REFUSED_CONFIG_KEYS.items():
         if key in _ADAPTER_CONFIG_KEYS and adapted:
             continue  # the adapter passes the slopes to the paged attention
         if getattr(text, key, None):
-            return f"{name} has {what} ({key}={getattr(text, key)!r})"
+            return Refusal("architecture", f"{name} has {what} ({key}={getattr(text, key)!r})")
     types = getattr(text, "layer_types", None) or []
     runs = _ATTENTION_LAYER_TYPES | ({"chunked_attention"} if _chunk_size(text) else set())
     other = sorted({t for t in types if isinstance(t, str)} - runs)
     if other and not recurrent:  # with mixers: the profile pass finds what nothing runs
-        return f"{name} has layers the paged attention cannot run: layer_types {other}"
+        return Refusal(
+            "architecture", f"{name} has layers the paged attention cannot run: layer_types {other}"
+        )
     return None
 
 
@@ -247,7 +262,7 @@ def _chunk_size(text) -> int | None:
     return getattr(text, "attention_chunk_size", None) or None
 
 
-def length_reason(hf_config, max_model_len: int | None) -> Refusal | None:
+def length_refusal(hf_config, max_model_len: int | None) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` for sequences of up to ``max_model_len``
     tokens (None: not known, which refuses what depends on it), or None.
 
@@ -283,8 +298,8 @@ def length_reason(hf_config, max_model_len: int | None) -> Refusal | None:
 
 
 def check_supported(hf_config, max_model_len: int | None = None) -> None:
-    """Raises ``UnsupportedModelError`` with ``static_reason``'s or ``length_reason``'s text
+    """Raises ``UnsupportedModelError`` with ``static_refusal``'s or ``length_refusal``'s text
     (for an engine of ``max_model_len`` tokens; None: not known), if any."""
-    reason = static_reason(hf_config) or length_reason(hf_config, max_model_len)
+    reason = static_refusal(hf_config) or length_refusal(hf_config, max_model_len)
     if reason is not None:
         raise UnsupportedModelError(reason.detail)

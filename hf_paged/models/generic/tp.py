@@ -27,6 +27,7 @@ from torch import nn
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.models.generic.fp8 import Fp8Linear, scale_shard_rule
 from hf_paged.models.protocol import UnsupportedModelError
+from hf_paged.refusal import Refusal
 
 _REPLICATED = {
     "colwise_gather_output", "rowwise_split_input", "colwise_rep", "rowwise_rep",
@@ -130,13 +131,18 @@ class _PlanOnly(Communicator):
         self.rank, self.world_size, self.group = 0, world, None
 
 
-def tp_plan_problem(model: nn.Module, world: int) -> str | None:
+def tp_plan_refusal(model: nn.Module, world: int) -> Refusal | None:
     """Why ``apply_tp_plan`` would refuse ``model`` (built on meta; it is sharded in place, so
     pass a throwaway one) at ``world`` ranks, or None. Every rank plans the same splits."""
     try:
         apply_tp_plan(model, _PlanOnly(world))
     except UnsupportedModelError as e:
-        return str(e)
+        return Refusal(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={world} is not allowed for {type(model).__name__} on the "
+            f"generic model path: {e}; tensor_parallel_size must be 1, or a size its TP plan "
+            "splits evenly",
+        )
     return None
 
 

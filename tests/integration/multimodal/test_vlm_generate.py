@@ -92,9 +92,9 @@ def test_other_families_are_refused_by_name(model_type, why):
     (the config alone decides)."""
     from transformers import CONFIG_MAPPING
 
-    from hf_paged.models.generic.support import static_reason
+    from hf_paged.models.generic.support import static_refusal
 
-    reason = static_reason(CONFIG_MAPPING[model_type]())
+    reason = static_refusal(CONFIG_MAPPING[model_type]())
     assert reason is not None and why in reason.detail, reason
 
 

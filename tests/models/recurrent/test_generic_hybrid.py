@@ -76,13 +76,13 @@ def test_steps_equal_hf_forward(model_type):
 
 
 def test_unserved_recurrent_family_is_refused_by_name(monkeypatch):
-    from hf_paged.models.generic.support import static_reason
+    from hf_paged.models.generic.support import static_refusal
     from hf_paged.models.recurrent import registry
 
     monkeypatch.setitem(registry.MIXERS, "Qwen3_5GatedDeltaNet", None)  # as if no mixer
     config, hf = build_tiny("qwen3_5_text")
-    assert "hybrid/recurrent" in static_reason(config).detail
-    assert "Qwen3_5GatedDeltaNet" in static_reason(config).detail
+    assert "hybrid/recurrent" in static_refusal(config).detail
+    assert "Qwen3_5GatedDeltaNet" in static_refusal(config).detail
     ctx = ModelContext(get_backend("torch"), kv_block_size=BS, max_model_len=64)
     with pytest.raises(UnsupportedModelError, match="Qwen3_5GatedDeltaNet"):
         build_model(config, ctx, torch.float32, "cpu", "generic")

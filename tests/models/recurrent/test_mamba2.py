@@ -78,7 +78,7 @@ def test_refuses_other_modules():
         Mamba2Mixer.from_hf(torch.nn.Linear(4, 4))
 
 
-def test_time_step_limit_runs_stock_by_name():
+def test_time_step_limit_runs_stock_by_name(clean_dispatch):
     """Stock clamps ``dt`` to ``time_step_limit`` for the prompt but not in its decode steps:
     a non-default limit would change the engine's tokens, so the call runs stock, named."""
     from hf_paged import release

@@ -33,7 +33,7 @@ from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
 from hf_paged.engine.worker.runner_output import RunnerOutput
 from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
-from hf_paged.models.registry import tp_split_problem
+from hf_paged.models.registry import tp_split_refusal
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -108,7 +108,7 @@ class TPExecutor:
                     f"tensor_parallel_size={world} is not allowed on {runtime.device}: only "
                     f"{torch.cuda.device_count()} CUDA devices"
                 )
-        problem = tp_split_problem(runtime.hf_config, world, runtime.config.model_impl)
+        problem = tp_split_refusal(runtime.hf_config, world, runtime.config.model_impl)
         if problem is not None:  # said before a worker starts (each would fail the same way)
             raise ValueError(problem)
         spec = RunnerSpec.from_runtime(runtime, runtime.model_path)

@@ -22,7 +22,7 @@ from hf_paged.refusal import Refusal
 
 
 @functools.cache
-def bidirectional_reason(base_model_cls: type) -> Refusal | None:
+def bidirectional_refusal(base_model_cls: type) -> Refusal | None:
     """Why ``base_model_cls`` (the base model of a BERT-style causal LM) is not causal on the
     installed transformers (reason "architecture"), or None: its forward must build its mask
     with ``create_causal_mask`` for decoders."""
@@ -95,7 +95,7 @@ def serve_bert_self_attention(causal_lm: type, base_model: type, self_attention:
         *args,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        reason = bidirectional_reason(base_model)
+        reason = bidirectional_refusal(base_model)
         check_causal_self_attention(module, encoder_hidden_states, reason)
         return attend(module, *project_heads(module, hidden_states))
 

@@ -19,7 +19,7 @@ from transformers.models.big_bird.modeling_big_bird import BigBirdAttention
 from hf_paged.models.generic.adapters import register
 from hf_paged.models.generic.adapters._bert_style import (
     attend,
-    bidirectional_reason,
+    bidirectional_refusal,
     check_causal_self_attention,
     project_heads,
 )
@@ -34,7 +34,7 @@ def attention(
     *args,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    reason = bidirectional_reason(BigBirdModel)
+    reason = bidirectional_refusal(BigBirdModel)
     is_decoder = module.config.is_decoder
     check_causal_self_attention(module, encoder_hidden_states, reason, is_decoder)
     if module.attention_type != "original_full":

@@ -3,7 +3,7 @@ temperature tuning reads token positions from the row it runs (``arange`` over t
 on the flattened batch mixes sequences.
 
 The generic path serves Llama 4 only while every position is below ``floor_scale - 1``
-(``support.length_reason`` refuses the rest by name), where stock's scale is exactly 1; the
+(``support.length_refusal`` refuses the rest by name), where stock's scale is exactly 1; the
 adapter turns the tuning off on hf_paged's own copy of the module (never the caller's model)
 and runs the module's forward, so the scale is 1 on any row length.
 """

@@ -22,7 +22,7 @@ from transformers.models.roformer.modeling_roformer import (
 from hf_paged.models.generic.adapters import register
 from hf_paged.models.generic.adapters._bert_style import (
     attend,
-    bidirectional_reason,
+    bidirectional_refusal,
     check_causal_self_attention,
     project_heads,
 )
@@ -60,7 +60,7 @@ def self_attention(
     *args,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    check_causal_self_attention(module, encoder_hidden_states, bidirectional_reason(RoFormerModel))
+    check_causal_self_attention(module, encoder_hidden_states, bidirectional_refusal(RoFormerModel))
     if module.rotary_value:
         raise UnsupportedModelError(
             "RoFormer with rotary_value=True: values are rotated by their absolute position, "
