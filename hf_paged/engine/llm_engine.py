@@ -1,29 +1,17 @@
-"""LLMEngine: requests in, steps of (schedule -> run -> update) out.
+"""LLMEngine: requests in, steps of (schedule -> run -> report) out.
 
 One engine owns one model (a checkpoint directory or an in-memory HF model whose weights it
-shares), its ModelRunner(s), a BlockManager and a Scheduler. ``step`` runs one forward pass over
-whatever the scheduler picked (prefill chunks and decodes mixed), applies the stop rule to the
-tokens the step appended (``_take_tokens``, the one place a sequence stops) and reports finished
-requests. Callers drive requests through ``stream`` / ``run`` (or ``request_group`` when they act
-between steps; see ``core/request_loop.py``), which abort and drain what is in flight when the caller
-stops early.
+shares), its ModelRunner(s), a BlockManager and a Scheduler. The step loop's rooms: ``step`` here
+reads schedule -> run -> report in one place; ``stepping.py`` runs the model for a scheduled step
+(synchronous, or launched ahead; ``overlap.py`` holds the steps still on the device);
+``postprocess.py`` applies the stop rule to what a step appended. Callers drive requests through
+``stream`` / ``run`` / ``request_group`` (``core/request_loop.py``).
 
-External sampling (used by the HF ``generate`` integration): such a request is never sampled or
-stopped by the engine (except at ``max_model_len``). When its next-token logits are computed,
-``step`` returns them and the sequence pauses, holding its blocks, until ``provide_token``;
-``reset_tokens`` rewrites its tail (a draft model's request after the target's verification).
-Paused sequences whose blocks waiting ones need are parked. A beam-search request
-(``EngineRequest.beam_search``) is external too: its sequences are its beams, and ``provide_beams``
-replaces them all at once by forks of them sharing KV blocks. ``ExternalSequences``
-(``core/external_sequences.py``) owns the paused, parked and forked sequences.
-
-LoRA adapters (``models/adapters``): on an engine built with them (``runtime.lora``), ``add_lora``
-registers an adapter and returns its key; a request with ``lora_key`` runs under it, beside
-requests of other adapters and of the base model in the same steps.
-
-Speculative decoding: a request with a ``proposer`` (``spec/proposers.py``) verifies several
-proposed tokens per step in one forward pass and keeps what the model agrees with
-(``spec/spec_decode.py``); its output is what it would be without the proposer.
+External sampling (the HF ``generate`` integration): a request's next-token logits are handed
+out by ``step`` and its sequence pauses until ``provide_token``; a beam search's beams are
+replaced at once by ``provide_beams`` (``core/external_sequences.py`` owns the paused sequences).
+A request with a ``proposer`` verifies several proposed tokens per step (``spec/``); one with a
+``lora_key`` (``add_lora``) runs under that LoRA adapter beside others in the same steps.
 """
 
 from __future__ import annotations
@@ -45,6 +33,7 @@ from hf_paged.engine.core.request import (
     EngineRequest,
     check_request,
     resolve_max_tokens,
+    validate_bidirectional_ranges,
     validate_prompt,
 )  # fmt: skip
 from hf_paged.engine.core.request_loop import RequestGroup, RequestStream
@@ -54,11 +43,13 @@ from hf_paged.engine.core.request_state import RequestState, RequestTable
 from hf_paged.engine.core.scheduler import Scheduler
 from hf_paged.engine.core.sequence import Sequence
 from hf_paged.engine.overlap import OverlapStepper
+from hf_paged.engine.postprocess import Postprocessor
 from hf_paged.engine.runtime import RuntimeInfo, resolve_runtime
 from hf_paged.engine.spec.spec_decode import SpecDecoder
 from hf_paged.engine.stats import engine_stats
 from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop_strings import StopStringsCache
+from hf_paged.engine.worker.kv_readback import gather_kv
 from hf_paged.engine.worker.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
@@ -99,13 +90,10 @@ class LLMEngine:
         overlap = self.config.async_scheduling
         if overlap is None:  # auto: where the host has something to hide (one CUDA rank)
             overlap = self.runtime.device != "cpu" and self.config.tensor_parallel_size == 1
-        self.scheduler = Scheduler(
-            self.block_manager,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            self.runtime.max_model_len,
-            max_loras=self.runtime.lora.max_loras if self.runtime.lora is not None else None,
-        )
+        max_loras = rt.lora.max_loras if rt.lora is not None else None
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, rt.max_model_len,
+                                   max_loras=max_loras)  # fmt: skip
         # external seqs whose logits were handed out, waiting for their token; beams
         self.external = ExternalSequences(
             self.scheduler, self.block_manager, self.requests, self.runtime.vocab_size,
@@ -122,6 +110,10 @@ class LLMEngine:
             self.requests, self.runtime.max_model_len, self.runtime.vocab_size, spec_generator
         )
         self._stepper = Stepper(self, self.overlap, self.spec)
+        self.postprocess = Postprocessor(
+            self.requests, self.scheduler, self.block_manager, self.runtime.max_model_len,
+            self.spec.release,
+        )  # fmt: skip
 
     def _set_runtime_facts(self) -> None:
         """What the executor's start decided, recorded in the runtime info (the config stays
@@ -162,9 +154,11 @@ class LLMEngine:
                 "tokens; allowed: proposer=None"
             )
         ids = self.validate_prompt(request.prompt_token_ids)
-        ranges = _check_bidirectional_ranges(request.bidirectional_ranges, len(ids))
-        if request.lora_key is not None:
-            self._check_lora_key(request.lora_key)
+        ranges = validate_bidirectional_ranges(request.bidirectional_ranges, len(ids))
+        key = request.lora_key
+        if key is not None and (self.lora is None or not self.lora.has(key)):
+            raise ValueError(f"lora_key={key!r} is not allowed: it is no adapter registered on "
+                             "this engine (add_lora returns the key to pass)")  # fmt: skip
         params = resolve_max_tokens(params, len(ids), self.runtime.max_model_len)
         if request.prompt_embeds is not None:
             check_prompt_embeds(request.prompt_embeds, len(ids), self.hf_config, self.runtime.mrope)
@@ -208,13 +202,6 @@ class LLMEngine:
         """Forget adapter ``name`` (every version); running requests must not use it."""
         if self.lora is not None:
             self.lora.remove_name(name)
-
-    def _check_lora_key(self, key) -> None:
-        if self.lora is None or not self.lora.has(key):
-            raise ValueError(
-                f"lora_key={key!r} is not allowed: it is no adapter registered on this engine "
-                "(add_lora returns the key to pass)"
-            )
 
     def abort(self, request_id) -> None:
         """Stop a request now; it is reported finished with reason "abort" by the next step."""
@@ -269,7 +256,7 @@ class LLMEngine:
         if finish:  # the caller ends it
             self.finish_sequence(seq, "stop")
             return
-        self._take_tokens([TakenTokens(seq, len(seq) - 1, len(seq), "provided")])
+        self.postprocess.take([TakenTokens(seq, len(seq) - 1, len(seq), "provided")])
         if not seq.is_finished:
             self.external.resume(seq)
 
@@ -297,33 +284,12 @@ class LLMEngine:
 
         Raises:
             ValueError: with tensor parallelism (each rank holds part of the heads), or a
-                request unknown or not holding its blocks.
+                request unknown or not holding its blocks (``RequestTable.kv_slots``).
         """
         if self.config.tensor_parallel_size != 1:
             raise ValueError("request_kv reads rank 0's KV heads only: tensor_parallel_size=1")
-        size, slots = self.config.kv_block_size, []
-        for rid in request_ids:
-            req = self.requests.by_id.get(rid)
-            if req is None or len(req.seqs) != 1:
-                raise ValueError(f"request_id={rid!r} is not a running single-sequence request")
-            seq = req.seqs[0]
-            n = seq.num_computed_tokens
-            if len(seq.block_table) * size < n:
-                raise ValueError(f"request_id={rid!r} does not hold its KV blocks")
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            pos = torch.arange(n)
-            slots.append(table[pos // size] * size + pos % size)
-        kv = self.executor.runner.kv_cache
-        index = (
-            torch.cat(slots).to(self.runtime.device) if slots else torch.zeros(0, dtype=torch.long)
-        )
-        out = []
-        for i in range(len(kv)):
-            k, v = kv[i]  # [num_blocks, block_size, H, D]
-            out.append(
-                (k.flatten(0, 1).index_select(0, index), v.flatten(0, 1).index_select(0, index))
-            )
-        return out
+        slots = self.requests.kv_slots(request_ids, self.config.kv_block_size)
+        return gather_kv(self.executor.runner.kv_cache, slots, self.runtime.device)
 
     def request_states(self, request_ids: list) -> list[dict[str, torch.Tensor]]:
         """Every recurrent layer's states of the requests (``{name: [N, *shape]}`` per layer,
@@ -367,14 +333,22 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------------------
 
     def step(self) -> StepResult:
-        """One forward pass over what the scheduler picks; reports finished requests and the
-        logits of external-sampling requests."""
+        """One step: schedule, run, report. Reports finished requests and the logits of
+        external-sampling requests."""
         self._check_open()
         result = StepResult()
+        out, overlapped = self._schedule()
+        with self.profile.section("step_total"):
+            self._run(out, overlapped, result)  # the stop rule applied to the tokens it took
+            self._collect_finished(result)
+        return result
+
+    def _schedule(self):
+        """What this step runs (``SchedulerOutput``), and whether it runs overlapped (a
+        synchronous step first takes every token still on the device)."""
         overlapped = self.overlap is not None and not self.requests.num_sync
         if self.overlap is not None and not overlapped:
-            # a synchronous step needs every token on the host
-            self._take_tokens(self._stepper.resolved(self.overlap.drain()))
+            self.postprocess.take(self._stepper.resolved(self.overlap.drain()))
         with self.profile.section("schedule"):
             if self.requests.num_spec:  # such requests step synchronously: tokens on the host
                 self.spec.propose(self.scheduler.running)
@@ -382,57 +356,27 @@ class LLMEngine:
             # paused sequences hold the blocks the waiting ones need: park them, newest first
             while out.is_empty and self.scheduler.waiting and self.external.park_newest():
                 out = self.scheduler.schedule()
-        with self.profile.section("step_total"):
-            if out.is_empty:
-                if self.overlap is not None:
-                    self._take_tokens(self._stepper.resolved(self.overlap.drain()))
-            elif overlapped:
-                launched, resolution = self._stepper.launch(out, result)
-                self._take_tokens(launched)
-                self._take_tokens(self._stepper.resolved(resolution))
-            else:
-                taken, handed_out = self._stepper.run_sync(out, result)
-                self._take_tokens(taken)
-                for seq in handed_out:
-                    self.external.pause(seq)
-            self._collect_finished(result)
-        return result
+        return out, overlapped
 
-    def _take_tokens(self, taken: list[TakenTokens]) -> None:
-        """The stop rule on a step's tokens, where the engine takes them (``TakenTokens``): each
-        token in order until one ends its sequence; the tokens after it are dropped. Logprobs
-        are recorded up to the stop. A sequence already ended while its last token was on the
-        device (a length limit at launch, or an abort) is reported now, and a stop token among
-        its tokens makes its reason "stop", as the synchronous path reports it."""
-        max_len = self.runtime.max_model_len
-        for t in taken:
-            seq, req = t.seq, self.requests.of(t.seq.seq_id)
-            if t.kind == "resolved" and not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)  # its tokens are final now
-            record = t.logprobs is not None and req.params.logprobs is not None
-            reason, end = None, t.first
-            for j, end in enumerate(range(t.first + 1, t.last + 1)):
-                if record:
-                    req.logprobs.setdefault(seq.seq_id, []).append(t.logprobs[j])
-                reason = req.stop_reason(seq, end, max_len, known=t.kind != "launched")
-                if reason is not None:
-                    break
-            if seq.is_finished:
-                if reason == "stop":
-                    del seq.token_ids[end:]  # drop tokens launched after the stop
-                    if seq.finish_reason == "length":
-                        seq.finish_reason = "stop"
-                self.requests.mark_finished(seq)
-            elif reason is not None:
-                del seq.token_ids[end:]  # a placeholder's token arrives with its resolution
-                self.finish_sequence(seq, reason)
+    def _run(self, out, overlapped: bool, result: StepResult) -> None:
+        """Run ``out`` (``stepping.py``) and apply the stop rule to the tokens it appended, in
+        order; external-sampling rows whose logits were handed out pause."""
+        if out.is_empty:
+            if self.overlap is not None:
+                self.postprocess.take(self._stepper.resolved(self.overlap.drain()))
+        elif overlapped:
+            launched, resolution = self._stepper.launch(out, result)
+            self.postprocess.take(launched)
+            self.postprocess.take(self._stepper.resolved(resolution))
+        else:
+            taken, handed_out = self._stepper.run_sync(out, result)
+            self.postprocess.take(taken)
+            for seq in handed_out:
+                self.external.pause(seq)
 
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
-        if not seq.is_finished:
-            self.spec.release(seq)
-        self.scheduler.finish(seq, reason)
-        self.requests.mark_finished(seq)
+        self.postprocess.finish(seq, reason)
 
     def _collect_finished(self, result: StepResult) -> None:
         """Report requests whose last sequence finished (only those touched since last time);
@@ -477,22 +421,3 @@ class LLMEngine:
                 self.close()
             except Exception:
                 pass
-
-
-def _check_bidirectional_ranges(ranges, prompt_len: int) -> list[tuple[int, int]]:
-    """``ranges`` as a list of int pairs inside the prompt; raises ``ValueError`` naming them."""
-    from hf_paged.attention.bidirectional import check_ranges
-
-    if not ranges:
-        return []
-    try:
-        out = [(int(a), int(b)) for a, b in ranges]
-    except (TypeError, ValueError):
-        out = None
-    if out is None or any(b > prompt_len for _, b in out):
-        raise ValueError(
-            f"bidirectional_ranges={ranges!r} is not allowed: must be (start, end) position "
-            f"pairs inside the prompt of {prompt_len} tokens"
-        )
-    check_ranges(out)
-    return out

@@ -6,7 +6,7 @@ chunk with speculative tokens keeps, ``spec/spec_decode.py``) and hand external-
 their logits. Overlapped (``launch`` + ``resolved``, ``EngineConfig.async_scheduling``): launch
 the step with placeholders, then take the previous step's tokens once they reach the host (see
 ``overlap.py``). Each returns ``TakenTokens`` (what it appended), which the engine applies the
-stop rule to, in order (``LLMEngine._take_tokens``); the stepper itself ends nothing and pauses
+stop rule to, in order (``Postprocessor.take``); the stepper itself ends nothing and pauses
 nothing.
 """
 

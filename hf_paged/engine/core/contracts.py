@@ -147,7 +147,7 @@ class ModelInput:
 @dataclass(slots=True)
 class TakenTokens:
     """Tokens a step appended to a sequence, ``seq.token_ids[first:last]``: what the engine
-    applies the stop rule to (``LLMEngine._take_tokens``), in order.
+    applies the stop rule to (``Postprocessor.take``), in order.
 
     ``kind`` says where they come from: "sampled" (a synchronous step: sampled or verified
     speculative tokens, values on the host), "launched" (an overlapped step's placeholder: its

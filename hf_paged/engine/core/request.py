@@ -186,3 +186,27 @@ def resolve_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: i
             f"leaves room for {room} under max_model_len={max_model_len}"
         )
     return dataclasses.replace(params, max_tokens=room)
+
+
+def validate_bidirectional_ranges(ranges, prompt_len: int) -> list[tuple[int, int]]:
+    """``ranges`` (``EngineRequest.bidirectional_ranges``) as a list of int pairs inside the
+    prompt of ``prompt_len`` tokens.
+
+    Raises:
+        ValueError: not such pairs, or overlapping ones (named in the message).
+    """
+    from hf_paged.attention.bidirectional import check_ranges
+
+    if not ranges:
+        return []
+    try:
+        out = [(int(a), int(b)) for a, b in ranges]
+    except (TypeError, ValueError):
+        out = None
+    if out is None or any(b > prompt_len for _, b in out):
+        raise ValueError(
+            f"bidirectional_ranges={ranges!r} is not allowed: must be (start, end) position "
+            f"pairs inside the prompt of {prompt_len} tokens"
+        )
+    check_ranges(out)
+    return out

@@ -161,6 +161,26 @@ class RequestTable:
         """The group that added ``request_id`` (None: none is open), forgotten now."""
         return self._groups.pop(request_id, None)
 
+    def kv_slots(self, request_ids: list, block_size: int) -> list[list[int]]:
+        """Per request, the KV-cache slot (``block * block_size + offset``) of each computed
+        token of its one sequence, in order.
+
+        Raises:
+            ValueError: a request unknown, with several sequences, or not holding its blocks.
+        """
+        out = []
+        for rid in request_ids:
+            req = self.by_id.get(rid)
+            if req is None or len(req.seqs) != 1:
+                raise ValueError(f"request_id={rid!r} is not a running single-sequence request")
+            seq = req.seqs[0]
+            n = seq.num_computed_tokens
+            if len(seq.block_table) * block_size < n:
+                raise ValueError(f"request_id={rid!r} does not hold its KV blocks")
+            table = seq.block_table
+            out.append([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        return out
+
     def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
         """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""
         keep = {s.seq_id for s in seqs}
