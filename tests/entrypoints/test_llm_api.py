@@ -11,6 +11,13 @@ import torch
 from hf_paged import LLM, EngineConfig, SamplingParams
 from hf_paged.testing import build_char_tokenizer, save_demo_model, save_tiny_model
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _engine_threads(one_thread):
+    """``one_thread`` (tests/conftest.py): tiny engines run fastest on one thread."""
+    yield
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.testing import build_hf_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _engine_threads(one_thread):
+    """``one_thread`` (tests/conftest.py): tiny engines run fastest on one thread."""
+    yield
+
 
 PROMPTS = [[3, 14, 15, 92], [6], [5, 35, 89, 79, 32, 38, 46, 26, 43]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
