@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hf_paged.attention import AttentionMetadata
+from hf_paged.refusal import Refusal
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -107,3 +108,28 @@ class DecodeGraphRunner:
         self.context_lens = self.block_tables = self.cu_seqlens_q = None
         self.state_pool = self.state_indices = self.has_initial_state = None
         self.runner = None
+
+
+def eager_refusal(config, model, attn_backend, ctx, lora=None) -> Refusal | None:
+    """Why a runner's decode will run eagerly (None = it is captured, on CUDA): the engine's
+    ``config``, its ``model``, attention backend, ``ModelContext`` and LoRA slots say so."""
+    if config.enforce_eager:
+        return Refusal("cuda_graph", "enforce_eager=True")
+    if lora is not None:
+        return Refusal(
+            "cuda_graph", "LoRA slots: each step's token-to-slot grouping is built on the host"
+        )
+    if not getattr(model, "supports_cuda_graph", False):
+        why = getattr(model, "cuda_graph_reason", None) or "the model says so"
+        return Refusal("cuda_graph", f"{type(model).__name__} does not support CUDA graphs: {why}")
+    if not attn_backend.supports_cuda_graph:
+        return Refusal(
+            "cuda_graph",
+            f"the {attn_backend.name!r} attention backend is not CUDA-graph safe",
+        )
+    if ctx.fallbacks:
+        return Refusal(
+            "cuda_graph",
+            f"layers {sorted(ctx.fallbacks)} use the torch reference attention",
+        )
+    return None

@@ -11,8 +11,9 @@ import torch
 from hf_paged import timings
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
-from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
+from hf_paged.engine.worker.model_runner import ModelRunner
 from hf_paged.engine.worker.runner_output import RunnerOutput
+from hf_paged.engine.worker.runner_spec import RunnerSpec
 
 
 class LocalExecutor:

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,54 +24,24 @@ from hf_paged import envs as hf_envs
 from hf_paged import timings
 from hf_paged.attention import select_backend
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
-from hf_paged.config import EngineConfig
 from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.core.contracts import ModelInput
-from hf_paged.engine.worker import kv_budget
-from hf_paged.engine.worker.kv_budget import KVCacheMemoryError, RunnerMemory
+from hf_paged.engine.worker import runner_memory
+from hf_paged.engine.worker.cuda_graph import eager_refusal
 from hf_paged.engine.worker.prompt_scores import score_prompt_rows
+from hf_paged.engine.worker.runner_memory import RunnerMemory
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
+from hf_paged.engine.worker.runner_spec import RunnerSpec, model_name, refusals_named
 from hf_paged.engine.worker.step_inputs import StepEmbeds, StepInputs
 from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.adapters import LoraManager
 from hf_paged.models.loader import BaseWeights
-from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
-from hf_paged.refusal import Refusal
 
-_CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 _engine_numbers = itertools.count(1)  # names this process's engines in memory errors
-
-
-@dataclass(frozen=True)
-class RunnerSpec:
-    """Everything a rank needs to build its runner; picklable (crosses to worker processes)."""
-
-    config: EngineConfig
-    hf_config: object  # transformers PretrainedConfig
-    model_source: object  # checkpoint dir (str) or, on rank 0 only, an in-memory HF model
-    device: str  # resolved: "cpu" or "cuda:N" (rank 0's; rank r uses cuda:N+r)
-    dtype: torch.dtype
-    max_model_len: int
-    lora: object | None = None  # ``LoraSpec``: LoRA slots to build (``models/adapters``)
-    # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
-    envs: dict = field(default_factory=hf_envs.snapshot)
-
-    @classmethod
-    def from_runtime(cls, runtime, model_source) -> RunnerSpec:
-        """The spec of an engine's runners (``runtime``: its ``RuntimeInfo``)."""
-        return cls(
-            config=runtime.config,
-            hf_config=runtime.hf_config,
-            model_source=model_source,
-            device=runtime.device,
-            dtype=runtime.dtype,
-            max_model_len=runtime.max_model_len,
-            lora=runtime.lora,
-        )
 
 
 class ModelRunner:
@@ -101,8 +68,8 @@ class ModelRunner:
         self.profile = StepProfile(prefix="runner")  # HF_PAGED_PROFILE=1 turns it on
         self.inputs = StepInputs(self.device, self.block_size)  # host -> device step inputs
         # what this runner holds on its device; on CUDA its KV budget (a byte count elsewhere)
-        name = f"engine {next(_engine_numbers)}: " + _model_name(spec)
-        self.memory = RunnerMemory(kv_budget.probe_for(self.device), str(self.device), name)
+        name = f"engine {next(_engine_numbers)}: " + model_name(spec)
+        self.memory = RunnerMemory(runner_memory.probe_for(self.device), str(self.device), name)
         try:
             self._build(spec)
         except BaseException:
@@ -115,7 +82,7 @@ class ModelRunner:
         self.ctx = ModelContext(
             backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
         )
-        with timings.span("engine_start.model_load"), _refusals_named(spec.hf_config):
+        with timings.span("engine_start.model_load"), refusals_named(spec.hf_config):
             self.model = build_model(
                 spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
             )
@@ -139,14 +106,15 @@ class ModelRunner:
         if state_specs:
             self.state_pool = StatePool(state_specs, spec.config.max_num_seqs, self.device)
             self.inputs.state_pool = self.state_pool
-        self.sampler = Sampler(self._make_generator()) if self.rank == 0 else None
+        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self.sampler = Sampler(generator) if self.rank == 0 else None
 
         with timings.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
             self.warmup_model()
         self.memory.loaded()
         with timings.span("engine_start.kv_cache"):
             self.num_kv_blocks = self.allocate_kv_cache()
-        refusal = self._cuda_graph_refusal()
+        refusal = eager_refusal(self.config, self.model, self.attn_backend, self.ctx, self.lora)
         self.cuda_graph_reason = None if refusal is None else refusal.detail
         if self.device.type == "cuda" and self.cuda_graph_reason is None:
             with timings.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
@@ -155,11 +123,6 @@ class ModelRunner:
 
     # ---- construction steps -------------------------------------------------------------
 
-    def _make_generator(self) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(self.config.seed)
-        return g
-
     def _set_kv_cache(self, num_blocks: int) -> KVCache:
         """Set the runner's KV cache to a zeroed one of ``num_blocks`` blocks (the steps
         prepared from now on carry it in their metadata)."""
@@ -167,31 +130,6 @@ class ModelRunner:
             self.kv_specs, num_blocks, self.block_size, self.kv_dtype, self.device
         )
         return self.kv_cache
-
-    def _cuda_graph_refusal(self) -> Refusal | None:
-        """Why decode will run eagerly (None = it is captured, on CUDA)."""
-        if self.config.enforce_eager:
-            return Refusal("cuda_graph", "enforce_eager=True")
-        if self.lora is not None:
-            return Refusal(
-                "cuda_graph", "LoRA slots: each step's token-to-slot grouping is built on the host"
-            )
-        if not getattr(self.model, "supports_cuda_graph", False):
-            why = getattr(self.model, "cuda_graph_reason", None) or "the model says so"
-            return Refusal(
-                "cuda_graph", f"{type(self.model).__name__} does not support CUDA graphs: {why}"
-            )
-        if not self.attn_backend.supports_cuda_graph:
-            return Refusal(
-                "cuda_graph",
-                f"the {self.attn_backend.name!r} attention backend is not CUDA-graph safe",
-            )
-        if self.ctx.fallbacks:
-            return Refusal(
-                "cuda_graph",
-                f"layers {sorted(self.ctx.fallbacks)} use the torch reference attention",
-            )
-        return None
 
     def warmup_model(self) -> None:
         """A synthetic prefill at the largest step size, to compile kernels and measure the
@@ -242,28 +180,10 @@ class ModelRunner:
                 after every rank took part in the MIN, so none waits on the others).
             ValueError: a fixed count below one max_model_len sequence.
         """
-        cfg = self.config
         block_bytes = self.kv_block_bytes()
-        error = None
-        if block_bytes == 0:  # recurrent layers alone: blocks are bookkeeping, free of memory
-            num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(
-                -self.max_model_len // self.block_size
-            )
-        elif cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_bytes is not None:
-            num_blocks = cfg.kv_cache_bytes // block_bytes
-        elif self.memory.active:
-            try:
-                num_blocks = self.memory.plan_kv_cache(
-                    cfg.gpu_memory_utilization, block_bytes, self.block_size, self.max_model_len
-                ).num_blocks
-            except KVCacheMemoryError as exc:
-                num_blocks, error = 0, exc
-        else:  # CPU: the engine's whole work (every sequence at full length) 8 times over, so
-            # that earlier calls' blocks stay in the prefix cache, within a cap
-            full_batch = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
-            num_blocks = min(_CPU_DEFAULT_KV_BYTES // block_bytes, 8 * full_batch)
+        num_blocks, error = self.memory.own_kv_blocks(
+            self.config, block_bytes, self.block_size, self.max_model_len
+        )
         own = num_blocks
         t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
@@ -350,7 +270,8 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)  # forks' copy on write, before writes
-            self._copy_states(inp.states_to_copy)
+            if self.state_pool is not None:
+                self.state_pool.copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
             embeds = None if meta.is_decode else self.inputs.prompt_embeds(inp, self.dtype)
             if self.lora is not None:
@@ -405,7 +326,8 @@ class ModelRunner:
         prof = self.profile
         with prof.section("prepare"):
             self.kv_cache.copy_blocks(inp.blocks_to_copy)
-            self._copy_states(inp.states_to_copy)
+            if self.state_pool is not None:
+                self.state_pool.copy_states(inp.states_to_copy)
             input_ids, positions, meta, logits_idx = self.inputs.build(inp, self.kv_cache)
             if self.lora is not None:
                 self.lora.prepare(inp.chunks)
@@ -438,16 +360,6 @@ class ModelRunner:
     def state_slot_bytes(self) -> int:
         """Bytes one sequence's recurrent states take over all layers (0 without them)."""
         return self.state_pool.slot_bytes if self.state_pool is not None else 0
-
-    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Forks' states, every source read before any destination is written."""
-        if not copies or self.state_pool is None:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for states in self.state_pool.layers:
-            for t in states.values():
-                t[dst] = t[src]
 
     # ---- lifecycle / IPC ----------------------------------------------------------------
 
@@ -486,21 +398,3 @@ class ModelRunner:
         self.ctx = None
         self.inputs.release()
         self.memory.release()
-
-
-@contextmanager
-def _refusals_named(hf_config) -> Iterator[None]:
-    """A model path's refusal while building or loading says which model it refuses."""
-    try:
-        yield
-    except UnsupportedModelError as e:
-        archs = getattr(hf_config, "architectures", None) or []
-        name = archs[0] if archs else str(getattr(hf_config, "model_type", "the model"))
-        if name in str(e):
-            raise
-        raise UnsupportedModelError(f"{name}: {e}") from e
-
-
-def _model_name(spec: RunnerSpec) -> str:
-    archs = getattr(spec.hf_config, "architectures", None) or [type(spec.hf_config).__name__]
-    return f"{archs[0]} (max_model_len={spec.max_model_len})"

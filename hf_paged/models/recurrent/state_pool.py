@@ -112,6 +112,17 @@ class StatePool:
             for t in states.values():
                 t[dst].copy_(t[src])
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Forks' states (``(src, dst)`` slot pairs), every source read before any destination
+        is written."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for states in self.layers:
+            for t in states.values():
+                t[dst] = t[src]
+
     def reset(self) -> None:
         """Free every slot (the engine's caches are dropped)."""
         self._free = list(range(self.num_slots, 0, -1))

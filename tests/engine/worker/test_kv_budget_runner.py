@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.engine.worker import kv_budget
+from hf_paged.engine.worker import runner_memory
 from hf_paged.engine.worker.kv_budget import LIVE_ENGINES, DeviceMemory, KVCacheMemoryError, MiB
 from hf_paged.testing import save_demo_model, save_tiny_model
 
@@ -50,7 +50,7 @@ class FakeProbe:
 @pytest.fixture
 def probe(monkeypatch):
     fake = FakeProbe()
-    monkeypatch.setattr(kv_budget, "probe_for", lambda device: fake)
+    monkeypatch.setattr(runner_memory, "probe_for", lambda device: fake)
     yield fake
     assert LIVE_ENGINES.on("cpu") == [], "an engine stayed registered"
 

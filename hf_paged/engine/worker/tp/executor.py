@@ -30,8 +30,9 @@ from hf_paged.distributed.communicator import Communicator
 from hf_paged.distributed.process_group import create_process_group, reserve_port
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
-from hf_paged.engine.worker.model_runner import ModelRunner, RunnerSpec
+from hf_paged.engine.worker.model_runner import ModelRunner
 from hf_paged.engine.worker.runner_output import RunnerOutput
+from hf_paged.engine.worker.runner_spec import RunnerSpec
 from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.models.registry import tp_split_refusal
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from hf_paged import envs
 from hf_paged.engine.worker.tp.shm_broadcast import ShmBroadcaster, ShmReader, ShmReaderHandle
-from hf_paged.engine.worker.tp.worker_health import Heartbeats, StderrTail
+from hf_paged.engine.worker.tp.worker_health import EngineDeadError, Heartbeats, StderrTail
 from hf_paged.engine.worker.tp.worker_main import worker_main
 
 __all__ = ["EngineDeadError", "ShmBroadcaster", "ShmReader", "ShmReaderHandle", "WorkerGroup"]
@@ -57,53 +57,6 @@ def _forget_workers_in_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_workers_in_fork)
-
-
-class EngineDeadError(RuntimeError):
-    """A tensor-parallel worker died or raised; the engine cannot continue.
-
-    Attributes:
-        rank: the worker that failed first.
-        worker_traceback: the worker's formatted traceback, or None (e.g. killed by a signal).
-    """
-
-    def __init__(self, rank: int, worker_traceback: str | None = None, detail: str = "died"):
-        self.rank = rank
-        self.worker_traceback = worker_traceback
-        self.detail = detail
-        message = f"tensor-parallel worker rank {rank} {detail}"
-        last = known_cause(worker_traceback) or _last_line(worker_traceback)
-        if last:  # the worker's own error first: a one-line report shows it
-            message = f"tensor-parallel worker rank {rank} {detail}: {last}"
-        if worker_traceback:
-            message += f"\n\nTraceback from worker rank {rank}:\n{worker_traceback}"
-        super().__init__(message)
-
-    def __reduce__(self):
-        return type(self), (self.rank, self.worker_traceback, self.detail)
-
-
-# what multiprocessing's spawn says when the main module starts processes again as the worker
-# imports it; its last line is only a link to Python's docs
-_NO_MAIN_GUARD = ("_check_not_importing_main", "finished its bootstrapping phase")
-
-
-def known_cause(text: str | None) -> str | None:
-    """A worker failure whose traceback's last line does not say what to do, told in one line
-    with the fix; None for any other."""
-    if text and any(marker in text for marker in _NO_MAIN_GUARD):
-        return (
-            'the script has no `if __name__ == "__main__":` guard: a spawned worker imports '
-            "the main module, which started the engine again. Fix: put the code that builds "
-            'the LLM (and everything after it) under `if __name__ == "__main__":`'
-        )
-    return None
-
-
-def _last_line(text: str | None) -> str | None:
-    """The last non-empty line of a traceback (``ValueError: ...``), or None."""
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines and not lines[-1].startswith("(no report") else None
 
 
 @dataclass
