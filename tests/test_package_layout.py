@@ -313,7 +313,7 @@ def test_an_imported_test_module_is_found():
 NOT_MIRRORED = {
     "clients": "real clients (lm-eval's CLI, pipelines, datasets.map, Ray, torchrun, scripts) "
     "run end to end in fresh processes beside stock; it holds their targets and helpers",
-    "reliability": "issue 14's fault, fuzz and soak tests: each drives the whole package "
+    "reliability": "the fault, fuzz and soak tests: each drives the whole package "
     "through its front ends, so no one folder owns it",
 }
 # hardware and run mode: a marker (``gpu``, ``multi_gpu``) or a parameter, never a file name

@@ -11,7 +11,7 @@ Each task is one ``<name>.yaml`` beside its ``<name>.jsonl`` in a folder passed 
 
 :func:`samples` reads a run's ``--log_samples`` file and :func:`agreement` says what two runs'
 samples agree on (identical strings, same choice, loglikelihood differences). Plain data: no
-lm-eval import. The documents of issue 29's runs: ``evaluation/run_lm_eval_cli.py``.
+lm-eval import. The documents of the lm-eval client runs: ``evaluation/run_lm_eval_cli.py``.
 """
 
 from __future__ import annotations

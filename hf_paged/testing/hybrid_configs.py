@@ -64,7 +64,7 @@ HYBRID_TINY: dict[str, dict] = {
                         "lru_width": 64, "attention_window_size": 32, "conv1d_width": 4},
 }  # fmt: skip
 
-# the 14 families of issue 32, each mixing its layer kinds
+# the 14 hybrid and recurrent families served, each mixing its layer kinds
 HYBRID_FAMILIES = (
     "qwen3_5_text", "qwen3_next", "olmo_hybrid", "minimax", "mamba", "falcon_mamba", "mamba2",
     "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "jamba", "lfm2", "recurrent_gemma",

@@ -220,7 +220,7 @@ def _stream(engine, it, max_in_flight, progress):
                 if req is _END:
                     exhausted = True
                     break
-                check_request_type(req, f"requests[{num_added}]")  # a None once ended the input
+                check_request_type(req, f"requests[{num_added}]")  # None is not the end
                 rid = group.add(req)
                 index_of[rid], budget_of[rid] = num_added, budget(req.params)
                 num_added += 1
