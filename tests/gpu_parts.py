@@ -45,8 +45,8 @@ class Part:
     # an engine sized from its share of the device would refuse beside another)
 
 
-KERNELS_MAIN = ("tests/kernels/test_paged_attention_kernels.py",)
-COVERAGE = ("tests/models/test_coverage_on_device.py",)
+KERNELS_MAIN = ("tests/kernels/test_paged_attention.py",)
+COVERAGE = ("tests/models/test_coverage.py",)
 
 PARTS = (
     Part(1, "engine: runner and CUDA graphs, scheduler, KV memory budget (10 rebuilds, two "

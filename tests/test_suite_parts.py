@@ -72,7 +72,7 @@ def test_the_command_line_lists_and_refuses():
     assert len(rows) == len(gpu_parts.PARTS) + 1  # the header and a row per part
     paths = subprocess.run([*cmd, "paths", "4"], capture_output=True, text=True, check=True)
     assert paths.stdout.startswith(
-        "-m gpu tests/kernels --ignore=tests/kernels/test_paged_attention_kernels.py"
+        "-m gpu tests/kernels --ignore=tests/kernels/test_paged_attention.py"
     )
     bad = subprocess.run([*cmd, "run", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "PART=0 is not allowed" in bad.stderr

@@ -1,6 +1,12 @@
 """Skinny GEMM (decode-batch linear layers) on CUDA vs an fp32 reference and cuBLAS: bf16 and
 fp16, 1..16 rows, the 8B/0.6B decode shapes and ragged ones, bias, strided weights, graph replay,
-and the layer dispatch (few rows of a large weight -> kernel, else cuBLAS)."""
+and the layer dispatch (few rows of a large weight -> kernel, else cuBLAS).
+
+Skinny GEMM (decode-batch linear layers) vs ``F.linear`` under Triton's CPU interpreter, fp16:
+row counts 1..16, N and K that are not multiples of the tiles, bias, a strided weight view.
+Runs as a child process like tests/kernels/test_paged_attention.py; GPU cases (bf16, the real
+shapes) are in tests/kernels/test_skinny_gemm.py.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = [
+from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+
+
+def _marked(marks):
+    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
+
+    def apply(fn):
+        for mark in reversed(marks if isinstance(marks, list) else [marks]):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+# ---- on any device --------------------------------------------------------------------------------
+
+
+_MARKS_SKINNY_GEMM = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
 
 SHAPES = [(6144, 4096), (4096, 14336), (1024, 3072), (1000, 72), (151936, 1024)]  # (N, K)
 
@@ -27,6 +51,7 @@ def _check(out, x, w, b, cublas_bits=True):
         assert (out == F.linear(x, w, b)).float().mean().item() > 0.9
 
 
+@_marked(_MARKS_SKINNY_GEMM)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
 @pytest.mark.parametrize("nk", SHAPES)
@@ -40,6 +65,7 @@ def test_matches_reference(dtype, m, nk):
     _check(skinny_gemm(x, w), x, w, None)
 
 
+@_marked(_MARKS_SKINNY_GEMM)
 @pytest.mark.parametrize("m", [1, 7])
 def test_bias_and_strided_weight(m):
     from hf_paged.kernels.skinny_gemm import skinny_gemm
@@ -52,6 +78,7 @@ def test_bias_and_strided_weight(m):
     _check(skinny_gemm(x, w, b), x, w, b, cublas_bits=False)
 
 
+@_marked(_MARKS_SKINNY_GEMM)
 def test_graph_replay_on_new_data():
     from hf_paged.kernels.skinny_gemm import skinny_gemm
 
@@ -67,6 +94,7 @@ def test_graph_replay_on_new_data():
     _check(out, x, w, None)
 
 
+@_marked(_MARKS_SKINNY_GEMM)
 def test_layers_dispatch_by_row_count():
     from hf_paged.kernels import skinny_gemm as sg
 
@@ -86,3 +114,67 @@ def test_layers_dispatch_by_row_count():
     finally:
         sg.skinny_gemm = real
     assert calls == [1, 4]
+
+
+# ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
+
+
+CASES = [  # (M, N, K, bias, config)
+    (1, 64, 128, False, (16, 64, 4, 2)),
+    (3, 40, 72, True, (16, 32, 4, 2)),  # N, K not multiples of the tiles
+    (16, 48, 256, False, (32, 128, 4, 2)),
+    (7, 33, 64, True, (16, 64, 4, 2)),
+]
+
+
+def _case(m, n, k, bias, config):
+    import torch
+    import torch.nn.functional as F
+
+    from hf_paged.kernels.skinny_gemm import skinny_gemm
+
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen).half()
+    big = torch.randn(n, k + 8, generator=gen).half()  # row stride k + 8: a strided view
+    w = big[:, :k]
+    b = torch.randn(n, generator=gen).half() if bias else None
+    out = skinny_gemm(x, w, b, config=config)
+    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _cases():
+    return {f"m{m}_n{n}_k{k}_b{int(b)}": (_case, (m, n, k, b, c)) for m, n, k, b, c in CASES}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_interpreter_cases(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_skinny_gemm_matches_linear(results, name):
+    value = results[name]
+    assert not isinstance(value, str), value
+    assert value < 2e-3, f"{name}: relative error {value}"
+
+
+def test_rejects_what_it_cannot_take():
+    import torch
+
+    from hf_paged.kernels.skinny_gemm import skinny_gemm
+
+    x = torch.zeros(17, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="1 <= M <= 16"):
+        skinny_gemm(x, torch.zeros(32, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        skinny_gemm(torch.zeros(2, 64), torch.zeros(32, 64))
+    with pytest.raises(ValueError, match="must be % 8"):
+        skinny_gemm(
+            torch.zeros(2, 60, dtype=torch.float16), torch.zeros(32, 60, dtype=torch.float16)
+        )
+
+
+if __name__ == "__main__":
+    interpret_main(_cases())

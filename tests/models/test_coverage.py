@@ -1,20 +1,36 @@
 """Acceptance: every decoder-only text architecture in transformers' causal-LM mapping, built
 tiny, is served by ``generate(backend="paged")`` with stock's greedy tokens, or falls back with
-a named reason; none fails. Prints the table (``tests/models/coverage_models.py`` writes it)."""
+a named reason; none fails. Prints the table (``tests/models/coverage_models.py`` writes it).
+
+The coverage run on one GPU (marker gpu, skipped without CUDA): every architecture the CPU
+coverage test serves gives stock's tokens on CUDA too (fp32, the Triton backend, decode CUDA
+graphs where the probe allows them); none fails.
+
+The run over ~150 architectures takes over 8 minutes in one process, so it is split into
+``CUDA_SHARDS`` tests of every ``CUDA_SHARDS``-th architecture. Their engines have fixed KV sizes
+(no share of the device), so GPU part 7 (``tests/gpu_parts.py``) runs them side by side with
+pytest-xdist where it is installed.
+"""
 
 from __future__ import annotations
 
 import warnings
 
 import pytest
+import torch
 
 from tests.models.coverage_models import causal_lm_entries, markdown_table, run_all, summary
+
+# ---- on any device --------------------------------------------------------------------------------
+
 
 # share of the architectures that build tiny which must be served: 119 of 140 = 85% measured
 # 2026-12-01 on transformers 5.24; 123 of 146 = 84% on 2026-12-02, when the hybrid and recurrent
 # families first built tiny with their own fields (Gated DeltaNet and lightning attention served,
 # the Mamba / short-conv / RG-LRU families falling back until their mixers land)
 MIN_SERVED_PCT = 84
+
+
 # popular architectures (the issue's list) that must be served where transformers has them
 MUST_SERVE = {
     "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox", "olmo2", "granite",
@@ -66,3 +82,25 @@ def test_fallbacks_name_their_reason(results):
     for r in results:
         if r.status == "fallback":
             assert "[architecture]" in r.detail and len(r.detail) > 40, r
+
+
+# ---- on CUDA --------------------------------------------------------------------------------------
+
+
+CUDA_SHARDS = 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shard", range(CUDA_SHARDS))
+def test_coverage_cuda_parity(shard):
+    """Every served architecture gives stock's tokens on CUDA too; none fails (one shard of
+    the architectures: every ``CUDA_SHARDS``-th, from ``shard``)."""
+    types = [mt for mt, _ in causal_lm_entries()][shard::CUDA_SHARDS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_all(types, device="cuda")
+    print("\n" + markdown_table(results))
+    failed = [(r.model_type, r.detail) for r in results if r.status == "failure"]
+    assert failed == []
+    assert summary(results)["served"] > 0

@@ -8,7 +8,7 @@ fine-grained (transformers' quantizer, 32 x 32 blocks: activations per token and
 group) and compressed-tensors (per channel with dynamic per-token activations; per tensor with a
 static input scale). Greedy tokens are equal and prompt logprobs agree to 1e-4.
 
-The GPU paths' agreement with the same reference: tests/kernels/test_fp8_kernels.py."""
+The GPU paths' agreement with the same reference: tests/kernels/test_fp8.py."""
 
 from __future__ import annotations
 

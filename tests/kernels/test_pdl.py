@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (kernels/pdl.py, on by default, ``HF_PAGED_PDL=0`` off) on
+"""Host-side PDL switch (kernels/pdl.py): CPU tensors launch without PDL even when requested.
+
+Programmatic dependent launch (kernels/pdl.py, on by default, ``HF_PAGED_PDL=0`` off) on
 Hopper: every kernel gives the same bits launched with PDL (with and without the skinny GEMM's
 first weight tile loaded before the wait) as without, eagerly and in CUDA-graph replay. That
 the engine's greedy tokens do not change with PDL is tests/engine/test_engine_parity.py's.
@@ -9,17 +11,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+from hf_paged import envs
+from hf_paged.kernels import pdl
 
-from hf_paged import envs  # noqa: E402
-from hf_paged.kernels import pdl  # noqa: E402
 
-if not pdl._supported(torch.cuda.current_device()):
-    pytest.skip(
-        "PDL needs compute capability 9.0+ and a Triton with launch_pdl", allow_module_level=True
-    )
+def _marked(marks):
+    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
+
+    def apply(fn):
+        for mark in reversed(marks if isinstance(marks, list) else [marks]):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+# ---- on the host ----------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_launch_without_pdl(monkeypatch):
+    monkeypatch.setattr(envs, "HF_PAGED_PDL", True)
+    t = torch.zeros(2)
+    assert not pdl.pdl_enabled(t)
+    assert pdl.pdl_kwargs(t) == {"USE_PDL": False}
+
+
+# ---- on CUDA --------------------------------------------------------------------------------------
+
+
+_MARKS_PDL_KERNELS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and not pdl._supported(torch.cuda.current_device()),
+        reason="PDL needs compute capability 9.0+ and a Triton with launch_pdl",
+    ),
+]
 
 
 def _chain(x, res, nw, w_qkv, w_down, gu, q, k_cache, v_cache, bt, ctx):
@@ -62,6 +89,7 @@ def _inputs():
     )
 
 
+@_marked(_MARKS_PDL_KERNELS)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch):
     inp = _inputs()

@@ -1,15 +1,39 @@
 """Prompt-logprob kernel (``kernels/token_scores.py``) vs its torch reference (fp32 log_softmax
 of the whole row) under Triton's CPU interpreter, in a child process like
-tests/kernels/test_argmax_interpret.py: fp32 / bf16 / fp16 rows, V across block boundaries and
+tests/kernels/test_argmax.py: fp32 / bf16 / fp16 rows, V across block boundaries and
 below one block, strided rows, ties with the target (lower and higher ids), the target as the
 maximum, ``-inf`` columns, top k. GPU cases at the Qwen3 vocabulary are in
-tests/kernels/test_token_scores_kernels.py."""
+below (marker ``gpu``).
+
+Prompt-logprob kernel (``kernels/token_scores.py``) on CUDA at the Qwen3 vocabulary: bf16 and
+fp32 logits, a padded-vocabulary view (row stride > V), top k, against the fp32 log_softmax
+reference.
+"""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
 
+import pytest
+import torch
+
+from hf_paged.kernels import token_scores as ts  # noqa: E402
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+
+
+def _marked(marks):
+    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
+
+    def apply(fn):
+        for mark in reversed(marks if isinstance(marks, list) else [marks]):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+# ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
+
 
 TOL = 2e-5  # fp32: logprobs of magnitude ~10, summed in another order
 
@@ -117,6 +141,72 @@ def test_reference_on_cpu():
     assert out[:, 1].tolist() == [1 + int((lp[i] > lp[i, t[i]]).sum()) for i in range(3)]
     top_v, top_i = lp.topk(2, dim=-1)
     assert torch.equal(out[:, 2:4], top_v) and torch.equal(out[:, 4:], top_i.float())
+
+
+# ---- on CUDA --------------------------------------------------------------------------------------
+
+
+_MARKS_TOKEN_SCORES_KERNELS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+
+V = 151936  # Qwen3
+
+
+def _logit_rank(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """1 + ids ahead of the target comparing the fp32-upcast logits (the kernel's order)."""
+    xf = x.float()
+    xt = xf.gather(1, t[:, None])
+    ids = torch.arange(x.shape[1], device=x.device)
+    return 1 + ((xf > xt) | ((xf == xt) & (ids[None] < t[:, None]))).sum(1)
+
+
+@_marked(_MARKS_TOKEN_SCORES_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("pad", [0, 64])
+def test_matches_reference_at_qwen3_vocab(dtype, k, pad):
+    g = torch.Generator(device="cuda").manual_seed(k + pad)
+    r = 700
+    full = 2 * torch.randn(r, V + pad, device="cuda", generator=g)
+    x = full.to(dtype)[:, :V]  # ParallelLMHead's view of a padded vocabulary: stride V + pad
+    t = torch.randint(0, V, (r,), device="cuda", generator=g)
+    t[:5] = x[:5].float().argmax(-1)  # some targets are the argmax (rank 1)
+    out = torch.empty(r, 2 + 2 * k, device="cuda")
+    assert ts.supports(x, t, out)
+    ts.token_scores(x, t, k, out)
+    lp, rank, top_v, top_i = ts.token_scores_reference(x, t, k)
+    assert torch.allclose(out[:, 0], lp, atol=2e-5, rtol=1e-6), (out[:, 0] - lp).abs().max()
+    got_rank = out[:, 1].long()
+    assert torch.equal(got_rank, _logit_rank(x, t))
+    assert torch.equal(got_rank == 1, rank == 1)  # is_greedy
+    assert (got_rank - rank).abs().max() <= 1  # logprob ties only where fp32 merges logits
+    assert (got_rank[:5] == 1).all()
+    assert torch.allclose(out[:, 2 : 2 + k], top_v, atol=2e-5, rtol=1e-6)
+    if dtype == torch.float32:  # bf16 rows hold exact ties, which topk may order either way
+        assert torch.equal(out[:, 2 + k :].long(), top_i)
+
+
+@_marked(_MARKS_TOKEN_SCORES_KERNELS)
+def test_same_bits_with_and_without_pdl(monkeypatch):
+    """Launched right after the LM-head GEMM that writes its logits, with PDL (where the device
+    has it) and without: the same bits."""
+    from hf_paged import envs
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = 0.02 * torch.randn(V, 1024, device="cuda", generator=g).bfloat16()
+    h = torch.randn(512, 1024, device="cuda", generator=g).bfloat16()
+    t = torch.randint(0, V, (512,), device="cuda", generator=g)
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(envs, "HF_PAGED_PDL", pdl)
+        out = torch.empty(512, 4, device="cuda")
+        ts.token_scores(torch.nn.functional.linear(h, w), t, 1, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Row-wise argmax kernel vs ``torch.argmax`` under Triton's CPU interpreter (a child process,
-like tests/kernels/test_kernels_interpret.py): ties (first index wins), NaN (first NaN wins), rows
+like tests/kernels/test_paged_attention.py): ties (first index wins), NaN (first NaN wins), rows
 of -inf, V across chunk boundaries, several rows, strided rows. GPU cases with bf16 and the
-Llama-3 vocabulary are in tests/kernels/test_fused_kernels.py."""
+Llama-3 vocabulary are in tests/kernels/test_fused.py."""
 
 from __future__ import annotations
 
