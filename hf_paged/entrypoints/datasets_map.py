@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from hf_paged.engine.core.request import budget
 from hf_paged.integration import dispatch, servable
 from hf_paged.integration.fallback import PagedFallback
-from hf_paged.integration.paged_call import active_lora_key
+from hf_paged.integration.loras import active_lora_key
 from hf_paged.integration.plan import PlanCache
 from hf_paged.integration.route import Beams, External, Native, route
 

@@ -18,19 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged.testing.markers import marked
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
 
@@ -305,7 +294,7 @@ def _rel(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("group", [128, 4096])
 def test_group_quant_matches_reference(group):
     from hf_paged.kernels.fp8.fp8_quant import per_token_group_quant, per_token_group_quant_ref
@@ -317,7 +306,7 @@ def test_group_quant_matches_reference(group):
     assert (q.float() == q_ref.float()).float().mean().item() > 0.999
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_block_gemm_matches_reference(m, n, k):
@@ -333,7 +322,7 @@ def test_block_gemm_matches_reference(m, n, k):
     assert _rel(out, ref) < 1e-2  # bf16 output rounding
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES[:2])
 def test_rowwise_scaled_mm_matches_reference(m, n, k):
@@ -349,7 +338,7 @@ def test_rowwise_scaled_mm_matches_reference(m, n, k):
     assert _rel(out, ref) < 1e-2
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_cublaslt_and_gemv_match_reference(m, n, k):
@@ -369,7 +358,7 @@ def test_cublaslt_and_gemv_match_reference(m, n, k):
     assert _rel(fp8_scaled_mm.block_scaled_mm(x_q, x_s, w, w_s), ref) < 1e-2
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_fused_producers_match_reference(m):
     from hf_paged.kernels.fp8 import fp8_fused_quant as fq
@@ -412,7 +401,7 @@ def _forced(path: str):
     return ctx()
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("path", ["cublaslt", "triton", "gemv"])
 @pytest.mark.parametrize("block", [(128, 128), None])
 def test_layer_dispatch_against_w8a8_reference(path, block):
@@ -435,7 +424,7 @@ def test_layer_dispatch_against_w8a8_reference(path, block):
     assert _rel(out, w8a8_linear_ref(x, w, s, block)) < 1e-2
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("m", [1, 4])  # 1: cuBLASLt's operands padded to 4 rows in the graph
 @pytest.mark.parametrize("path", ["cublaslt", "triton", "gemv"])
 def test_every_block_path_replays_in_a_cuda_graph(path, m):
@@ -572,7 +561,7 @@ def finegrained_fp8(tmp_path_factory):
     return ckpt, _hf_logprobs(ref), _engine_logprobs(ckpt, "w8a8_ref", group=128)
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 @pytest.mark.parametrize("path", ["auto", "cublaslt", "triton", "gemv"])
 def test_engine_on_a_tiny_fp8_checkpoint(finegrained_fp8, path):
     """The FP8 engine on CUDA, every GEMM path (with the fused norm / activation -> FP8
@@ -585,7 +574,7 @@ def test_engine_on_a_tiny_fp8_checkpoint(finegrained_fp8, path):
     _check_engine(_engine_logprobs(ckpt, path, group=128), same_engine, transformers)
 
 
-@_marked(_MARKS_FP8_KERNELS)
+@marked(_MARKS_FP8_KERNELS)
 def test_engine_on_a_tiny_compressed_tensors_checkpoint(tmp_path):
     """compressed-tensors FP8-dynamic (per-channel weights, per-token activations: row-wise
     ``torch._scaled_mm``, with RMSNorm quantizing per token in its launch) against the engine's

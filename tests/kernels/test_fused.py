@@ -22,19 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged.testing.markers import marked
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
 
@@ -389,10 +378,15 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
         assert equal >= MIN_BIT_EQUAL, f"only {equal:.4f} of the elements are bit-equal"
 
 
-@_marked(_MARKS_FUSED_KERNELS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 100, 1024, 2048, 4096, 8192])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+# the norm tests' cases: every dtype, hidden sizes tiny, odd and the real models' up to 8192
+NORM_CASES = [
+    pytest.mark.parametrize("dtype", DTYPES),
+    pytest.mark.parametrize("hidden", [64, 100, 1024, 2048, 4096, 8192]),
+    pytest.mark.parametrize("num_tokens", NUM_TOKENS),
+]
+
+
+@marked([*_MARKS_FUSED_KERNELS, *NORM_CASES])
 def test_rms_norm(dtype, hidden, num_tokens):
     from hf_paged.kernels.fused_norm import rms_norm, rms_norm_ref
 
@@ -401,10 +395,7 @@ def test_rms_norm(dtype, hidden, num_tokens):
     _assert_matches(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 
 
-@_marked(_MARKS_FUSED_KERNELS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 100, 1024, 2048, 4096, 8192])
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@marked([*_MARKS_FUSED_KERNELS, *NORM_CASES])
 def test_fused_add_rms_norm(dtype, hidden, num_tokens):
     from hf_paged.kernels.fused_norm import fused_add_rms_norm, fused_add_rms_norm_ref
 
@@ -419,7 +410,7 @@ def test_fused_add_rms_norm(dtype, hidden, num_tokens):
     assert torch.equal(x, x0) and torch.equal(r, r0), "inputs were modified"
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -447,7 +438,7 @@ def test_qk_norm_rope(dtype, head_dim, num_tokens, heads, norm):
     assert torch.equal(qkv, before), "inputs were modified"
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1000, 3072, 14336])
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -458,7 +449,7 @@ def test_silu_and_mul(dtype, inter, num_tokens):
     _assert_matches(silu_and_mul(x), silu_and_mul_ref(x))
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 def test_layers_dispatch_to_kernels():
     """On CUDA the layers give the kernels' outputs (and those match the torch path)."""
     from hf_paged.kernels import fused_act, fused_norm, fused_rope
@@ -500,7 +491,7 @@ def test_layers_dispatch_to_kernels():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 @torch.inference_mode()
 def test_kernels_replay_in_cuda_graph():
     """A decode-shaped chain of all four kernels, captured once, replayed on new inputs."""
@@ -548,7 +539,7 @@ def test_kernels_replay_in_cuda_graph():
             _assert_matches(got, want)
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 128256), (4, 151936), (256, 151936), (3, 4097), (2, 1)])
 def test_argmax_matches_torch(dtype, shape):
@@ -569,7 +560,7 @@ def test_argmax_matches_torch(dtype, shape):
     assert torch.equal(argmax(rows), rows.argmax(dim=-1))
 
 
-@_marked(_MARKS_FUSED_KERNELS)
+@marked(_MARKS_FUSED_KERNELS)
 def test_argmax_replays_in_a_graph():
     from hf_paged.kernels.argmax import argmax
 

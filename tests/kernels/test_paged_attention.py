@@ -17,19 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged.testing.markers import marked
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
 
@@ -314,7 +303,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 def test_store_kvcache_matches_reference():
     from hf_paged.kernels.attention.kv_store import store_kvcache, store_kvcache_ref
 
@@ -331,7 +320,7 @@ def test_store_kvcache_matches_reference():
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -347,7 +336,7 @@ def test_paged_decode_dtypes_and_groups(dtype, head_dim, group):
         assert _rel_err(out, ref) < TOL[dtype], f"num_partitions={parts}"
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("window", [1, 100, 4096])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_decode_window_and_block_size(window, block_size):
@@ -361,7 +350,7 @@ def test_paged_decode_window_and_block_size(window, block_size):
         assert _rel_err(out, ref) < TOL[torch.bfloat16]
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -374,7 +363,7 @@ def test_paged_prefill_dtypes_and_groups(dtype, head_dim, group):
     assert _rel_err(out, paged_prefill_ref(q, kc, vc, bt, cu, ctx, scale)) < TOL[dtype]
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("window", [1, 63, 64, 65, 500])
 @pytest.mark.parametrize("block_size", [8, 16, 64])
 def test_paged_prefill_window_and_block_size(window, block_size):
@@ -410,7 +399,7 @@ def _meta(seqs, block_tables, block_size, is_decode):
     )
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("use_flash", [False, True])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("cached", [False, True])
@@ -433,7 +422,7 @@ def test_backend_prefill(window, cached, use_flash):
     assert backend._flash_ok is (True if flash_expected else None), "wrong prefill route"
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 def test_backend_warmup_without_cache_uses_flash():
     """The runner's warm-up: 1-block placeholder cache, 1-column block tables, slots -1."""
     from hf_paged.attention.base import AttentionLayerSpec
@@ -453,7 +442,7 @@ def test_backend_warmup_without_cache_uses_flash():
     assert _rel_err(out, expected) < TOL[torch.bfloat16]
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("batch", [3, 64])
 def test_backend_decode_cuda_graph(batch):
     """Capture store + decode once, replay on new metadata values (shapes fixed): still exact."""
@@ -536,7 +525,7 @@ def _reference(spec, kc, vc, meta, q, k, v, sinks):
     return TorchRefBackend().forward(*f, meta, spec, kv_stored=True, sinks=sinks)
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(MODIFIED_SPECS))
 def test_backend_modified_specs_prefill(name, dtype):
@@ -550,7 +539,7 @@ def test_backend_modified_specs_prefill(name, dtype):
     assert _rel_err(out, _reference(spec, kc, vc, meta, q, k, v, sinks)) < TOL[dtype]
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(MODIFIED_SPECS))
 def test_backend_modified_specs_decode_split_k(name, dtype):
@@ -571,7 +560,7 @@ def test_backend_modified_specs_decode_split_k(name, dtype):
         assert _rel_err(out, ref) < TOL[dtype], f"num_partitions={parts}"
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("name", ["gemma2_window", "gpt_oss", "mla", "alibi_d80"])
 def test_backend_modified_decode_cuda_graph(name):
     """Store + decode with softcap / sinks / Dv != D / ALiBi captured once, replayed on new
@@ -600,7 +589,7 @@ def test_backend_modified_decode_cuda_graph(name):
         assert _rel_err(out, _reference(spec, kc, vc, new, q, k, v, sinks)) < TOL[torch.bfloat16]
 
 
-@_marked(_MARKS_PAGED_ATTENTION_KERNELS)
+@marked(_MARKS_PAGED_ATTENTION_KERNELS)
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
 def test_generic_models_run_every_layer_in_the_kernels(model_type):
     """Gemma2 (softcap) and GPT-OSS (sinks, window) tiny models on CUDA: no layer falls back to

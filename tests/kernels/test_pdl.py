@@ -13,18 +13,7 @@ import torch
 
 from hf_paged import envs
 from hf_paged.kernels import pdl
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
+from hf_paged.testing.markers import marked
 
 # ---- on the host ----------------------------------------------------------------------------------
 
@@ -89,7 +78,7 @@ def _inputs():
     )
 
 
-@_marked(_MARKS_PDL_KERNELS)
+@marked(_MARKS_PDL_KERNELS)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_kernels_same_bits_with_pdl_eager_and_graph(monkeypatch, prefetch):
     inp = _inputs()

@@ -14,19 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_paged.testing.markers import marked
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- on any device --------------------------------------------------------------------------------
 
@@ -51,7 +40,7 @@ def _check(out, x, w, b, cublas_bits=True):
         assert (out == F.linear(x, w, b)).float().mean().item() > 0.9
 
 
-@_marked(_MARKS_SKINNY_GEMM)
+@marked(_MARKS_SKINNY_GEMM)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
 @pytest.mark.parametrize("nk", SHAPES)
@@ -65,7 +54,7 @@ def test_matches_reference(dtype, m, nk):
     _check(skinny_gemm(x, w), x, w, None)
 
 
-@_marked(_MARKS_SKINNY_GEMM)
+@marked(_MARKS_SKINNY_GEMM)
 @pytest.mark.parametrize("m", [1, 7])
 def test_bias_and_strided_weight(m):
     from hf_paged.kernels.skinny_gemm import skinny_gemm
@@ -78,7 +67,7 @@ def test_bias_and_strided_weight(m):
     _check(skinny_gemm(x, w, b), x, w, b, cublas_bits=False)
 
 
-@_marked(_MARKS_SKINNY_GEMM)
+@marked(_MARKS_SKINNY_GEMM)
 def test_graph_replay_on_new_data():
     from hf_paged.kernels.skinny_gemm import skinny_gemm
 
@@ -94,7 +83,7 @@ def test_graph_replay_on_new_data():
     _check(out, x, w, None)
 
 
-@_marked(_MARKS_SKINNY_GEMM)
+@marked(_MARKS_SKINNY_GEMM)
 def test_layers_dispatch_by_row_count():
     from hf_paged.kernels import skinny_gemm as sg
 

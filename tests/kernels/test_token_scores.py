@@ -18,19 +18,8 @@ import pytest
 import torch
 
 from hf_paged.kernels import token_scores as ts  # noqa: E402
+from hf_paged.testing.markers import marked
 from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
 
@@ -164,7 +153,7 @@ def _logit_rank(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return 1 + ((xf > xt) | ((xf == xt) & (ids[None] < t[:, None]))).sum(1)
 
 
-@_marked(_MARKS_TOKEN_SCORES_KERNELS)
+@marked(_MARKS_TOKEN_SCORES_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [0, 4])
 @pytest.mark.parametrize("pad", [0, 64])
@@ -190,7 +179,7 @@ def test_matches_reference_at_qwen3_vocab(dtype, k, pad):
         assert torch.equal(out[:, 2 + k :].long(), top_i)
 
 
-@_marked(_MARKS_TOKEN_SCORES_KERNELS)
+@marked(_MARKS_TOKEN_SCORES_KERNELS)
 def test_same_bits_with_and_without_pdl(monkeypatch):
     """Launched right after the LM-head GEMM that writes its logits, with PDL (where the device
     has it) and without: the same bits."""

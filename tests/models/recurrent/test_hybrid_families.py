@@ -23,18 +23,7 @@ from hf_paged.models.recurrent import registry
 from hf_paged.testing import build_tiny
 from hf_paged.testing.hybrid_configs import HYBRID_FAMILIES, MORE_HYBRID_FAMILIES
 from hf_paged.testing.hybrid_oracle import NEW_TOKENS, hybrid_prompts, paged_batched, stock_alone
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
+from hf_paged.testing.markers import marked
 
 # ---- on any device --------------------------------------------------------------------------------
 
@@ -136,7 +125,7 @@ def _runner(model):
     return existing_owner(model).engine.executor.runner
 
 
-@_marked(_MARKS_HYBRID_ON_DEVICE)
+@marked(_MARKS_HYBRID_ON_DEVICE)
 def test_batched_greedy_equals_alone_with_decode_graphs(cuda_family):
     model, prompts, ref = cuda_family
     rows, fell = paged_batched(model, prompts, CUDA_BASE)
@@ -148,7 +137,7 @@ def test_batched_greedy_equals_alone_with_decode_graphs(cuda_family):
     release(model)
 
 
-@_marked(_MARKS_HYBRID_ON_DEVICE)
+@marked(_MARKS_HYBRID_ON_DEVICE)
 def test_cramped_engine_equals_alone(cuda_family):
     model, prompts, ref = cuda_family
     rows, fell = paged_batched(model, prompts, CUDA_CRAMPED)

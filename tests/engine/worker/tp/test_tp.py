@@ -21,20 +21,9 @@ from hf_paged import LLM, SamplingParams
 from hf_paged.engine.worker.tp import executor as tp_executor
 from hf_paged.engine.worker.tp.workers import EngineDeadError, WorkerGroup
 from hf_paged.testing import save_tiny_model
+from hf_paged.testing.markers import marked
 from hf_paged.testing.procfs import shm_segments
 from tests.engine.worker.tp import nccl_models
-
-
-def _marked(marks):
-    """Apply a list of pytest marks to one test (the hardware this part of the file needs)."""
-
-    def apply(fn):
-        for mark in reversed(marks if isinstance(marks, list) else [marks]):
-            fn = mark(fn)
-        return fn
-
-    return apply
-
 
 # ---- on any device --------------------------------------------------------------------------------
 
@@ -180,7 +169,7 @@ def tokens(llm, ps) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(ps, SP, use_tqdm=False)]
 
 
-@_marked(_MARKS_TP_NCCL)
+@marked(_MARKS_TP_NCCL)
 @pytest.mark.parametrize(
     "family, kv_heads, tp",
     [
@@ -208,7 +197,7 @@ def test_nccl_tp_matches_tp1(tmp_path, family, kv_heads, tp):
     assert got == ref
 
 
-@_marked(_MARKS_TP_NCCL)
+@marked(_MARKS_TP_NCCL)
 def test_nccl_tp2_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
     path = nccl_models.save_model("llama", str(tmp_path / "llama"), num_key_value_heads=4)
     ps = nccl_models.prompts(20, seed=1)  # 21 sequences: the 32 graph replays with padding rows
@@ -233,7 +222,7 @@ def test_nccl_tp2_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
     assert got == ref
 
 
-@_marked(_MARKS_TP_NCCL)
+@marked(_MARKS_TP_NCCL)
 def test_nccl_tp2_each_rank_takes_its_share(tmp_path):
     """Every rank sizes its cache from its share of its own device (``gpu_memory_utilization``
     of the device's memory, vLLM's per-instance rule) and all take the minimum: memory someone
