@@ -8,8 +8,9 @@ index, and one boolean mask (causal, context length, sliding window) covers the 
 
 GQA costs no copy of K/V: the ``g = H // Hkv`` query heads of a kv head are folded into the
 query-length axis (``[N, Hkv, g * max_q, D]``), so SDPA sees as many heads as the cache holds.
-Score modifiers (softcap, ALiBi, attention sinks) take an explicit matmul-softmax path over the
-same layout, in the reference's order. The step's layout (indices and masks) is built once and
+Score modifiers (softcap, ALiBi, attention sinks) and dtypes below fp32 take an explicit
+matmul-softmax path over the same layout, in the reference's order (scores in the input dtype,
+softmax in fp32). The step's layout (indices and masks) is built once and
 shared by every layer of the step.
 
 A float8 KV cache goes to the reference: it attends to a whole prompt's own unquantized K/V, which
@@ -30,8 +31,9 @@ from hf_paged.kernels.attention.kv_store import store_kvcache_ref
 
 @dataclass
 class StepLayout:
-    """Where every query and key of a step sits in the padded ``[N, max_q]`` / ``[N, max_ctx]``
-    batch; built once per step (``AttentionMetadata``) and read by every layer."""
+    """Where every query and key of a group of a step's sequences sits in the padded
+    ``[N, max_q]`` / ``[N, max_ctx]`` batch; built once per step (``AttentionMetadata``) and read
+    by every layer."""
 
     num_seqs: int
     max_q: int
@@ -44,7 +46,19 @@ class StepLayout:
     token_index: torch.Tensor | None
     kv_slots: torch.Tensor  # [N, max_ctx] int64: flat cache slot (or row of k, uncached)
     base_mask: torch.Tensor  # [N, max_q, max_ctx] bool: causal and inside the context
+    # [T_group] int64: the step's token rows this layout computes (None: all, in order)
+    out_rows: torch.Tensor | None = None
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # by kv head count
+
+    def kv_rows(self, num_kv_heads: int) -> torch.Tensor:  # [N * Hkv * max_ctx] int64
+        """Rows of the cache viewed as ``[slots * Hkv, D]`` in ``[N, Hkv, max_ctx]`` order: one
+        ``index_select`` then gives the keys already laid out for the matmuls, contiguous."""
+        if num_kv_heads not in self.rows:
+            heads = torch.arange(num_kv_heads, device=self.kv_slots.device)
+            rows = self.kv_slots[:, None, :] * num_kv_heads + heads[None, :, None]
+            self.rows[num_kv_heads] = rows.reshape(-1)
+        return self.rows[num_kv_heads]
 
     def mask(self, window: int | None) -> torch.Tensor:  # [N, max_q, max_ctx] bool
         if window is None:
@@ -55,42 +69,82 @@ class StepLayout:
         return self.masks[window]
 
 
-def build_layout(meta: AttentionMetadata, block_size: int | None, device) -> StepLayout:
-    """The padded layout of ``meta``'s step. ``block_size`` None: no cache, keys are rows of the
-    step's own k (each sequence is a whole prompt)."""
+# a prefill step's sequences are grouped so that a group's padded query x key pairs stay within
+# this factor of its real ones (or within _SMALL_PAIRS, where another call would cost more)
+_MAX_PADDING = 2.0
+_SMALL_PAIRS = 1 << 16
+
+
+def build_layouts(meta: AttentionMetadata, block_size: int | None, device) -> list[StepLayout]:
+    """The padded layouts of ``meta``'s step: one for a decode step; for a step with prefill
+    chunks, one per group of sequences of similar lengths (see ``group_sequences``).
+    ``block_size`` None: no cache, keys are rows of the step's own k (whole prompts)."""
     cu = torch.tensor(meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist(), dtype=torch.int64)
     ctx = torch.tensor(meta.context_lens_cpu or meta.context_lens.tolist(), dtype=torch.int64)
     q_lens = cu[1:] - cu[:-1]  # [N]
-    n = meta.num_seqs
+    tables = None if block_size is None else meta.block_tables.to("cpu", torch.int64)
+    groups = group_sequences(q_lens.tolist(), ctx.tolist())
+    if len(groups) == 1:
+        return [_layout(cu, q_lens, ctx, tables, block_size, device, torch.arange(len(q_lens)))]
+    return [_layout(cu, q_lens, ctx, tables, block_size, device, torch.tensor(g)) for g in groups]
+
+
+def group_sequences(q_lens: list[int], ctx: list[int]) -> list[list[int]]:
+    """Sequence indices in groups: all of them when every query length is 1 (decode); else by
+    query length, longest first, a group closed when padding it to its longest query and context
+    would cost more than ``_MAX_PADDING`` times its real query x key pairs."""
+    n = len(q_lens)
+    if all(q == 1 for q in q_lens):
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: (-q_lens[i], -ctx[i]))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    max_q = max_ctx = real = 0
+    for i in order:
+        mq, mc = max(max_q, q_lens[i], 1), max(max_ctx, ctx[i], 1)
+        padded = (len(cur) + 1) * mq * mc
+        if cur and padded > max(_MAX_PADDING * (real + q_lens[i] * ctx[i]), _SMALL_PAIRS):
+            groups.append(sorted(cur))
+            cur, max_q, max_ctx, real = [], 0, 0, 0
+            mq, mc = max(q_lens[i], 1), max(ctx[i], 1)
+        cur.append(i)
+        max_q, max_ctx, real = mq, mc, real + q_lens[i] * ctx[i]
+    groups.append(sorted(cur))
+    return groups
+
+
+def _layout(cu, q_lens, ctx, tables, block_size, device, seqs: torch.Tensor) -> StepLayout:
+    """The layout of sequences ``seqs`` (indices into the step, ascending)."""
+    n = len(seqs)
+    start, q_lens, ctx = cu[:-1][seqs], q_lens[seqs], ctx[seqs]
     max_q = max(1, int(q_lens.max()))
     max_ctx = max(1, int(ctx.max()))
     j = torch.arange(max_q)
-    valid = j[None, :] < q_lens[:, None]  # [N, max_q]
-    # query j of sequence i sits at ctx_i - q_len_i + j; padding repeats the last query's
-    # position, so its mask row is a real one (never all masked)
-    q_pos = (
-        ctx[:, None]
-        - q_lens[:, None]
-        + torch.minimum(j[None, :], (q_lens - 1).clamp(min=0)[:, None])
-    )
+    valid = j[None, :] < q_lens[:, None]  # [n, max_q]
+    # query j of a sequence sits at ctx - q_len + j; padding repeats the last query's position,
+    # so its mask row is a real one (never all masked)
+    last = (q_lens - 1).clamp(min=0)
+    q_pos = ctx[:, None] - q_lens[:, None] + torch.minimum(j[None, :], last[:, None])
     k_pos = torch.arange(max_ctx)
     base_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
         k_pos[None, None, :] < ctx[:, None, None]
     )
-    decode = max_q == 1 and bool(valid.all()) and int(cu[-1]) == n
-    q_index = token_index = None
-    if not decode:
-        q_index = torch.where(valid, cu[:-1, None] + j[None, :], 0)
+    total = int(cu[-1])
+    q_index = token_index = out_rows = None
+    if not (max_q == 1 and bool(valid.all()) and n == total):  # not a whole decode step
+        q_index = torch.where(valid, start[:, None] + j[None, :], 0)
         token_index = valid.reshape(-1).nonzero().squeeze(1)
-    if block_size is None:  # keys are the step's own rows: sequence i's key t is row cu_i + t
-        kv_slots = (cu[:-1, None] + k_pos[None, :]).clamp(max=max(int(cu[-1]) - 1, 0))
+        rows = q_index[valid]  # the step's token rows of this group, in its order
+        if len(rows) != total or not torch.equal(rows, torch.arange(total)):
+            out_rows = rows
+    if block_size is None:  # keys are the step's own rows: a sequence's key t is row start + t
+        kv_slots = (start[:, None] + k_pos[None, :]).clamp(max=max(total - 1, 0))
     else:
-        tables = meta.block_tables.to("cpu", torch.int64)  # [N, max_blocks]
         blocks = (k_pos // block_size).clamp(max=tables.shape[1] - 1)
-        kv_slots = tables[:, blocks] * block_size + k_pos % block_size
+        kv_slots = tables[seqs][:, blocks] * block_size + k_pos % block_size
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return StepLayout(n, max_q, max_ctx, to(q_pos), to(k_pos), to(q_index), to(token_index),
-                      to(kv_slots), to(base_mask))  # fmt: skip
+                      to(kv_slots), to(base_mask), to(out_rows))  # fmt: skip
 
 
 class TorchBatchedBackend(AttentionBackend):
@@ -103,17 +157,17 @@ class TorchBatchedBackend(AttentionBackend):
 
     def __init__(self):
         self._reference = TorchRefBackend()
-        # the last step's layout and the metadata it was built from (kept alive, so that the
-        # identity check cannot match a new object at a reused address)
-        self._layout: tuple[AttentionMetadata, StepLayout] | None = None
+        # the last step's layouts and the metadata they were built from (kept alive, so that
+        # the identity check cannot match a new object at a reused address)
+        self._layouts: tuple[AttentionMetadata, list[StepLayout]] | None = None
 
     def release(self) -> None:
-        self._layout = None
+        self._layouts = None
 
-    def layout(self, meta: AttentionMetadata, block_size: int | None, device) -> StepLayout:
-        if self._layout is None or self._layout[0] is not meta:
-            self._layout = (meta, build_layout(meta, block_size, device))
-        return self._layout[1]
+    def layouts(self, meta: AttentionMetadata, block_size: int | None, device) -> list[StepLayout]:
+        if self._layouts is None or self._layouts[0] is not meta:
+            self._layouts = (meta, build_layouts(meta, block_size, device))
+        return self._layouts[1]
 
     def forward(
         self,
@@ -134,16 +188,26 @@ class TorchBatchedBackend(AttentionBackend):
             store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if not has_cache:
             _check_uncached(meta)
-        lay = self.layout(meta, k_cache.shape[1] if has_cache else None, q.device)
+        lays = self.layouts(meta, k_cache.shape[1] if has_cache else None, q.device)
+        k_src = k_cache if has_cache else k  # [.., Hkv, D]: cache slots, or the step's rows
+        v_src = v_cache if has_cache else v
+        if len(lays) == 1 and lays[0].out_rows is None:
+            return self._attend(lays[0], q, k_src, v_src, spec, sinks)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [T, H, Dv]
+        for lay in lays:
+            out[lay.out_rows] = self._attend(lay, q, k_src, v_src, spec, sinks)
+        return out
+
+    @staticmethod
+    def _attend(lay: StepLayout, q, k_src, v_src, spec: AttentionLayerSpec, sinks):
+        """The outputs of ``lay``'s tokens, in its order: [T_group, H, Dv]."""
         n, mq, h, hkv = lay.num_seqs, lay.max_q, spec.num_heads, spec.num_kv_heads
-        g, d, dv = h // hkv, q.shape[-1], v.shape[-1]
-        k_src = k_cache.view(-1, hkv, d) if has_cache else k  # [slots or T, Hkv, D]
-        v_src = v_cache.view(-1, hkv, dv) if has_cache else v
-        # index_select on flat indices: several times faster than advanced indexing on the CPU
-        slots = lay.kv_slots.view(-1)
-        lk = lay.max_ctx
-        keys = k_src.index_select(0, slots).view(n, lk, hkv, d).permute(0, 2, 1, 3)  # [N,Hkv,Lk,D]
-        vals = v_src.index_select(0, slots).view(n, lk, hkv, dv).permute(0, 2, 1, 3)
+        g, d, dv, lk = h // hkv, q.shape[-1], v_src.shape[-1], lay.max_ctx
+        # one index_select of rows: several times faster on the CPU than advanced indexing,
+        # and the result is contiguous in the layout the matmuls read
+        rows = lay.kv_rows(hkv)
+        keys = k_src.reshape(-1, d).index_select(0, rows).view(n, hkv, lk, d)  # [N,Hkv,Lk,D]
+        vals = v_src.reshape(-1, dv).index_select(0, rows).view(n, hkv, lk, dv)
         if lay.q_index is None:  # decode: one query per sequence, in order
             qp = q.reshape(n, 1, h, d)
         else:
@@ -151,13 +215,16 @@ class TorchBatchedBackend(AttentionBackend):
         # fold the g query heads of each kv head into the query axis: [N, Hkv, g * mq, D]
         qg = qp.reshape(n, mq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * mq, d)
         mask = lay.mask(spec.sliding_window)  # [N, mq, Lk]
-        if spec.softcap is None and spec.alibi_slopes is None and sinks is None:
+        plain = spec.softcap is None and spec.alibi_slopes is None and sinks is None
+        # fp32: SDPA (what stock's "sdpa" attention computes); lower precisions take the explicit
+        # path, which is several times faster than the CPU's SDPA kernels there
+        if plain and q.dtype == torch.float32:
             # [N, 1, g*mq, Lk] (a decode's one row broadcasts over the g heads)
             m = mask[:, None] if g == 1 or mq == 1 else mask.repeat(1, g, 1)[:, None]
             o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=m, scale=spec.scale)
         else:
             o = _attend_modified(qg, keys, vals, mask, lay, spec, sinks)
-        # [N, Hkv, g*mq, Dv] -> [N, mq, H, Dv] -> the tokens' rows [T, H, Dv]
+        # [N, Hkv, g*mq, Dv] -> [N, mq, H, Dv] -> the tokens' rows [T_group, H, Dv]
         o = o.view(n, hkv, g, mq, dv).permute(0, 3, 1, 2, 4).reshape(n * mq, h, dv)
         return o if lay.token_index is None else o.index_select(0, lay.token_index)
 
