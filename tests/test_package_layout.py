@@ -315,6 +315,8 @@ NOT_MIRRORED = {
     "run end to end in fresh processes beside stock; it holds their targets and helpers",
     "reliability": "issue 14's fault, fuzz and soak tests: each drives the whole package "
     "through its front ends, so no one folder owns it",
+    "real_model": "the demo model's real weights through every front end (generate, pipeline, "
+    "LLM, lm-eval, the sampler) beside stock; no one folder owns it",
 }
 HARDWARE_WORDS = ("gpu", "cuda", "cpu", "h100", "h200")
 
