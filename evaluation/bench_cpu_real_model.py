@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_DIR)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--pipeline-prompts", type=int, default=16)
+    p.add_argument("--pipeline-prompts", type=int, default=32)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--workloads", default="batch1,batch32_nocache,batch32_cache,pipeline_bs1")
     p.add_argument("--quick", action="store_true", help="1 rep, 16 new tokens, 4 pipeline chats")
