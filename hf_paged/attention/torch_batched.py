@@ -13,8 +13,9 @@ matmul-softmax path over the same layout, in the reference's order (scores in th
 softmax in fp32). The step's layout (indices and masks) is built once and
 shared by every layer of the step.
 
-A float8 KV cache goes to the reference: it attends to a whole prompt's own unquantized K/V, which
-a gather from the cache cannot give.
+A float8 KV cache goes to the reference (it attends to a whole prompt's own unquantized K/V, which
+a gather from the cache cannot give), and so does a step with bidirectional ranges (images of
+Gemma 3 and its kin).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class TorchBatchedBackend(AttentionBackend):
     name = "torch_batched"
     supports_cuda_graph = False
     accepts_sinks = True
+    accepts_bidirectional = True  # a step with bidirectional ranges goes to the reference
 
     def __init__(self):
         self._reference = TorchRefBackend()
@@ -182,7 +184,8 @@ class TorchBatchedBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,  # [H]
     ) -> torch.Tensor:  # [T, H, Dv]
         has_cache = k_cache is not None and v_cache is not None
-        if has_cache and k_cache.dtype != q.dtype:
+        bidirectional = meta.bidirectional_ranges is not None and spec.bidirectional
+        if bidirectional or (has_cache and k_cache.dtype != q.dtype):
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, spec, kv_stored, sinks)
         if has_cache and not kv_stored:
             store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)

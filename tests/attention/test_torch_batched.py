@@ -136,3 +136,21 @@ def test_prefill_steps_group_sequences_by_length_and_decode_steps_do_not():
         padded = len(g) * max(q[i] for i in g) * max(ctx[i] for i in g)
         real = sum(q[i] * ctx[i] for i in g)
         assert padded <= max(2 * real, torch_batched._SMALL_PAIRS)
+
+
+def test_bidirectional_ranges_are_attended_as_the_reference_does():
+    """A step whose sequences name bidirectional ranges (an image's tokens see each other) gives
+    the reference's output: the ranges are not dropped."""
+    spec = SPECS["gqa3"]
+    g = torch.Generator().manual_seed(3)
+    seqs = _tensors(spec, [9, 6], torch.float32, g)
+    meta, _ = build_metadata([9, 6], [9, 6], BLOCK, MAX_BLOCKS)
+    meta.bidirectional_ranges = [[(2, 6)], []]
+    new = [torch.cat([s[j] for s in seqs]) for j in range(3)]
+    caches = [torch.zeros(2 * MAX_BLOCKS, BLOCK, 3, 16) for _ in range(4)]
+    want = TorchRefBackend().forward(*new, caches[0], caches[1], meta, spec)
+    got = TorchBatchedBackend().forward(*new, caches[2], caches[3], meta, spec)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    meta.bidirectional_ranges = None
+    causal = TorchRefBackend().forward(*new, caches[0], caches[1], meta, spec, kv_stored=True)
+    assert not torch.allclose(causal[2:6], want[2:6], atol=1e-3)  # the ranges matter here
