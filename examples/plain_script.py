@@ -4,6 +4,9 @@ It knows nothing of the paged engine. ``hf-paged run examples/plain_script.py MO
 unchanged with every ``generate`` call on the engine; ``python examples/plain_script.py
 MODEL_PATH`` runs it stock. Both print the same lines (greedy decoding).
 
+MODEL_PATH is a local checkpoint folder. ``hf-paged fetch-demo-model`` (or ``make model``) writes
+one without the hub: SmolLM2-135M-Instruct in ./models/smollm2-135m-instruct.
+
 Usage: python examples/plain_script.py MODEL_PATH   (or set PLAIN_SCRIPT_MODEL=MODEL_PATH)
 """
 

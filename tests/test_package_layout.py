@@ -315,6 +315,8 @@ NOT_MIRRORED = {
     "run end to end in fresh processes beside stock; it holds their targets and helpers",
     "reliability": "the fault, fuzz and soak tests: each drives the whole package "
     "through its front ends, so no one folder owns it",
+    "real_model": "the demo model's real weights through every front end (generate, pipeline, "
+    "LLM, lm-eval, the sampler) beside stock; no one folder owns it",
 }
 # hardware and run mode: a marker (``gpu``, ``multi_gpu``) or a parameter, never a file name
 HARDWARE_WORDS = ("gpu", "cuda", "cpu", "h100", "h200", "interpret", "interpreter", "kernels",

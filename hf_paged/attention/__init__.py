@@ -9,6 +9,7 @@ from hf_paged.attention.base import AttentionBackend, AttentionLayerSpec, Attent
 # name -> "module:Class"; imported on first use
 _REGISTRY: dict[str, str] = {
     "torch": "hf_paged.attention.torch_ref:TorchRefBackend",
+    "torch_batched": "hf_paged.attention.torch_batched:TorchBatchedBackend",
     "triton": "hf_paged.attention.triton_backend:TritonBackend",
 }
 
@@ -30,7 +31,8 @@ def get_backend(name: str) -> AttentionBackend:
 def select_backend(device_type: str, requested: str | None = None) -> AttentionBackend:
     """The backend for a device: ``requested`` if given, else the fastest one that works there.
 
-    CUDA gets the Triton backend when triton imports; everything else the torch reference.
+    CUDA gets the Triton backend when triton imports; everything else the batched torch
+    backend (one attention call per layer per step; the torch reference is its oracle).
 
     Raises:
         ValueError: ``requested`` is unknown, or is "triton" on a device without a Triton
@@ -50,7 +52,7 @@ def select_backend(device_type: str, requested: str | None = None) -> AttentionB
             return get_backend("triton")
         except ImportError:
             pass
-    return get_backend("torch")
+    return get_backend("torch_batched")
 
 
 def _triton_interprets() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged.attention import select_backend
+from hf_paged.attention.torch_batched import TorchBatchedBackend
 from hf_paged.attention.torch_ref import TorchRefBackend
 
 
@@ -19,5 +20,13 @@ def test_triton_on_cpu_is_refused_by_name():
     with pytest.raises(ValueError, match=r"attention_backend='triton' is not allowed on device "
                                          r"'cpu'.*'torch' or None"):  # fmt: skip
         select_backend("cpu", "triton")
-    assert isinstance(select_backend("cpu", None), TorchRefBackend)
+    assert isinstance(select_backend("cpu", None), TorchBatchedBackend)
     assert isinstance(select_backend("cpu", "torch"), TorchRefBackend)
+
+
+def test_cpu_gets_the_batched_torch_backend():
+    """Without CUDA the engine runs attention batched (one call per layer per step); the
+    reference stays selectable by name as the oracle."""
+    assert isinstance(select_backend("cpu", None), TorchBatchedBackend)
+    assert isinstance(select_backend("cpu", "torch_batched"), TorchBatchedBackend)
+    assert type(select_backend("cpu", "torch")) is TorchRefBackend

@@ -4,12 +4,14 @@
     hf-paged run [--report] script.py [args ...]     # like `python script.py args ...`
     hf-paged run [--report] -m module [args ...]     # like `python -m module args ...`
     hf-paged bench MODEL_PATH [--num-requests N ...]
+    hf-paged fetch-demo-model [DIR]                 # SmolLM2-135M-Instruct, without the hub
     hf-paged --version
 
 ``generate`` prints one JSON line per prompt as it finishes (``generate.py``); ``run`` runs a
 program with every ``generate`` call on the engine (``run.py``); ``bench`` times stock
-``generate`` against the engine on a W1-like workload (``bench.py``). Nothing heavy is imported
-before a command needs it, so ``--help`` answers at once. How a command fails: ``errors.py``.
+``generate`` against the engine on a W1-like workload (``bench.py``); ``fetch-demo-model`` writes
+the demo model (``fetch_demo_model.py``). Nothing heavy is imported before a command needs it, so
+``--help`` answers at once. How a command fails: ``errors.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ exit status: 0 done, 2 bad input or a refusal (one line on stderr), 130 interrup
 
 def build_parser() -> argparse.ArgumentParser:
     from hf_paged import __version__
-    from hf_paged.entrypoints.cli import bench, generate
+    from hf_paged.entrypoints.cli import bench, fetch_demo_model, generate
 
     parser = argparse.ArgumentParser(
         prog="hf-paged",
@@ -50,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-paged {__version__}",
                         help="print the version and exit")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", metavar="{generate,run,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,run,bench,fetch-demo-model}")
     generate.add_parser(sub)
     sub.add_parser("run", help="run a program with generate on the paged engine "
                    "(hf-paged run --help)", add_help=False)  # fmt: skip
     bench.add_parser(sub)
+    fetch_demo_model.add_parser(sub)
     return parser
 
 
