@@ -140,6 +140,7 @@ class EngineOwner:
         names = self._watch.changed()
         if self._watch.adapters_changed:  # LoRA slots: new digests, so new keys and slots
             forget_digests()
+            logger.info("hf_paged: changed LoRA adapters served from slots under new keys")
             if not names:
                 self._watch.synced()
         if not names:
