@@ -5,7 +5,9 @@ each (no EOS), greedy; four rank-8 adapters on every projection (``benchmarks/lo
 ``i`` under adapter ``i % 4``. Model: a Llama of hidden 256, 4 layers, 8 heads (4 KV heads),
 intermediate 768, vocabulary 1024, random fp32 weights.
 
-Systems, each one ``generate`` call on the left-padded batch of 16 (the median of ``--repeats``):
+Systems, each one ``generate`` call on the left-padded batch of 16, timed in ``--repeats`` rounds
+that run every system once in turn (the minimum and the median are recorded; the ratios use the
+minimum, the run least disturbed by other work on the machine):
 
 * ``stock_mixed``: ``peft_model.generate(..., adapter_names=names)`` (PEFT's per-layer loop
   over each adapter's rows);
@@ -36,8 +38,9 @@ from hf_paged.benchmarks.runners import left_pad
 from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log
 
 NUM_PROMPTS, NUM_ADAPTERS, RANK, NEW = 16, 4, 8, 32
+# prefix caching off: every timed call repeats the warm-up's prompts, whose KV stock recomputes
 ENGINE = dict(max_num_seqs=16, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, kv_block_size=16,
-              kv_cache_bytes=64 * 2**20)  # fmt: skip
+              kv_cache_bytes=64 * 2**20, enable_prefix_caching=False)  # fmt: skip
 
 
 def _config():
@@ -56,19 +59,23 @@ def _base(config):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def _timed(fn, repeats: int):
-    fn()  # warm-up (engine start, first-call costs)
-    walls, out = [], None
+def _interleaved(systems: dict, repeats: int) -> tuple[dict, dict]:
+    """Every system warmed up, then ``repeats`` rounds that run each once in turn (a loaded
+    machine drifts: interleaving spreads the drift over all systems). Returns
+    ``({name: walls}, {name: last output})``."""
+    outs = {name: fn() for name, fn in systems.items()}  # warm-up (engine start, first calls)
+    walls = {name: [] for name in systems}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls), walls, out
+        for name, fn in systems.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            walls[name].append(time.perf_counter() - t0)
+    return walls, outs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(RESULTS_DIR / "lora_cpu.json"))
     args = ap.parse_args()
     import hf_paged  # noqa: F401  (installs the generate dispatcher)
@@ -87,21 +94,27 @@ def main() -> None:
                 pad_token_id=0)  # fmt: skip
     paged = dict(backend="paged", paged_config=ENGINE)
     tokens = NUM_PROMPTS * NEW
-    rows, outs = {}, {}
-
-    def record(name, fn):
-        wall, walls, out = _timed(fn, args.repeats)
-        rows[name] = {"wall_s": wall, "walls_s": walls, "tok_per_s": tokens / wall}
-        outs[name] = out
-        log(f"{name}: {wall:.3f} s, {tokens / wall:.1f} tok/s")
-
-    record("stock_mixed", lambda: model.generate(**call, adapter_names=names, backend="hf"))
-    record("paged_mixed", lambda: model.generate(**call, adapter_names=names, **paged))
-    model.set_adapter("a0")
-    record("stock_single", lambda: model.generate(**call, backend="hf"))
-    record("paged_single_slots", lambda: model.generate(**call, **paged))
     merged = load_peft(_base(config), {"a0": dirs["a0"]}).merge_and_unload()
-    record("paged_single_merged", lambda: merged.generate(**call, **paged))
+    mixed = {
+        "stock_mixed": lambda: model.generate(**call, adapter_names=names, backend="hf"),
+        "paged_mixed": lambda: model.generate(**call, adapter_names=names, **paged),
+    }
+    single = {  # every row under adapter a0: ``set_adapter`` first
+        "stock_single": lambda: model.generate(**call, backend="hf"),
+        "paged_single_slots": lambda: model.generate(**call, **paged),
+        "paged_single_merged": lambda: merged.generate(**call, **paged),
+    }
+    walls, outs = _interleaved(mixed, args.repeats)
+    model.set_adapter("a0")
+    more, more_outs = _interleaved(single, args.repeats)
+    walls.update(more)
+    outs.update(more_outs)
+    rows = {}
+    for name, ws in walls.items():  # the minimum: the run least disturbed by other work
+        rows[name] = {"wall_s": min(ws), "median_s": statistics.median(ws), "walls_s": ws,
+                      "tok_per_s": tokens / min(ws)}  # fmt: skip
+        log(f"{name}: min {min(ws):.3f} s, median {statistics.median(ws):.3f} s, "
+            f"{tokens / min(ws):.1f} tok/s")  # fmt: skip
     same = {
         "paged_mixed": torch.equal(outs["paged_mixed"], outs["stock_mixed"]),
         "paged_single_slots": torch.equal(outs["paged_single_slots"], outs["stock_single"]),

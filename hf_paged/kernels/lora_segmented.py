@@ -122,7 +122,7 @@ if triton is not None:
         slot = tl.load(slots_ptr + seg)
         seg_len = tl.load(lens_ptr + seg)
         m0 = pid_m * BLOCK_M
-        if slot < 0 or m0 >= seg_len:
+        if (slot < 0) | (m0 >= seg_len):
             return
         rm = m0 + tl.arange(0, BLOCK_M)
         m_mask = rm < seg_len
@@ -156,7 +156,7 @@ if triton is not None:
         slot = tl.load(slots_ptr + seg)
         seg_len = tl.load(lens_ptr + seg)
         m0 = pid_m * BLOCK_M
-        if slot < 0 or m0 >= seg_len:
+        if (slot < 0) | (m0 >= seg_len):
             return
         rm = m0 + tl.arange(0, BLOCK_M)
         m_mask = rm < seg_len

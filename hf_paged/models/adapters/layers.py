@@ -68,6 +68,14 @@ class LayerLora:
         self.step = step
         self.a_all = a_all
         self.rank = rank
+        # CPU, fused layers: per slot every slice's B as one block-diagonal matrix and the
+        # output columns' scales, so a one-adapter step expands in one matmul (a GPU's launches
+        # are cheap: it keeps one matmul per slice and the memory)
+        self.b_diag = self.col_scales = None
+        if a_all.device.type == "cpu" and len(slices) > 1:
+            out = sum(s.size for s in slices)
+            self.b_diag = a_all.new_zeros(a_all.shape[0], out, a_all.shape[1])  # [S+1, out, nR]
+            self.col_scales = torch.zeros(a_all.shape[0], out, dtype=torch.float32)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` [..., out] plus each token's delta; ``x`` [..., in]."""
@@ -86,9 +94,15 @@ class LayerLora:
         return out
 
     def _uniform(self, xs, o2, slot: int) -> None:
-        """One adapter for the whole step: no gather or scatter; each slice at its adapter's own
-        rank, so the sums are PEFT's ``lora_B(lora_A(x)) * scaling``."""
+        """One adapter for the whole step: no gather or scatter; each slice's delta is PEFT's
+        ``lora_B(lora_A(x)) * scaling`` (a short step with ``b_diag``: every slice in one matmul,
+        the other slices' blocks exact zeros; a long one per slice, without their flops)."""
         y = xs @ self.a_all[slot].T  # [T, n * R]
+        if self.b_diag is not None and xs.shape[0] <= GATHER_MAX_TOKENS:  # decode: few ops
+            first, last = self.slices[0].offset, self.slices[-1].offset + self.slices[-1].size
+            delta = (y @ self.b_diag[slot].T) * self.col_scales[slot]  # [T, out]
+            o2[:, first:last] += delta.to(o2.dtype)
+            return
         for j, s in enumerate(self.slices):
             r = s.ranks[slot]
             if r:
@@ -123,6 +137,13 @@ class LayerLora:
             if f is not None:
                 s.a[slot, :r].copy_(f.a)
                 s.b[slot, :, :r].copy_(f.b)
+        if self.b_diag is not None:  # the block-diagonal copy of the slices' B
+            self.b_diag[slot].zero_()
+            first = self.slices[0].offset
+            for j, s in enumerate(self.slices):
+                rows = slice(s.offset - first, s.offset - first + s.size)
+                self.b_diag[slot, rows, j * self.rank : (j + 1) * self.rank] = s.b[slot]
+                self.col_scales[slot, rows] = s.scale_values[slot]
 
 
 _WRAPPED: dict[type, type] = {}

@@ -31,6 +31,9 @@ class LoraSpec:
     from_peft: bool = False  # the engine serves an in-memory PEFT model's base weights unmerged
 
 
+_UNIFORM = LoraSegments.from_slots([], "cpu")  # a step's segments when one slot serves all
+
+
 class LoraManager:
     """The adapters of one runner's model (module docstring)."""
 
@@ -118,6 +121,11 @@ class LoraManager:
             raise RuntimeError(f"a step needs {len(keys)} LoRA adapters, above max_loras="
                                f"{self.spec.max_loras}")  # fmt: skip
         slot = {k: self._slot(k, keys) for k in keys}
+        if len(keys) == 1 and all(c.lora_key is not None for c in chunks):
+            # one adapter for every token: the layers need nothing else (``LayerLora._uniform``)
+            self.step.uniform_slot = slot[next(iter(keys))]
+            self.step.segments, self.step.token_slots = _UNIFORM, None
+            return
         token_slots: list[int] = []
         for c in chunks:
             s = slot[c.lora_key] if c.lora_key is not None else -1

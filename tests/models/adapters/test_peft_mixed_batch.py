@@ -175,3 +175,27 @@ def test_mixed_batch_on_cuda_equals_stock_peft(num_beams, built):
     kw = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()}
     _both(model, adapter_names=NAMES, **kw)
     assert built[0].lora is not None and built[0].runtime.device.startswith("cuda")
+
+
+def test_adapters_trained_in_place_by_a_fused_optimizer(built):
+    """A fused optimizer writes the factors without a version bump: the engine owner's weight
+    watch sees it, the adapters get new digests (new keys, fresh slots), nothing is rebuilt;
+    an adapter added later is followed too."""
+    model = _model(names=("sql", "chat"))
+    kw = _inputs()
+    names = ["sql", "chat", "__base__", "sql", "chat"]
+    first = _both(model, adapter_names=names, **kw)
+    r, alpha, targets = ADAPTERS["code"]
+    model.add_adapter("code", LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
+    _randomize(model, "code", seed=5)
+    late = ["code", "sql", "__base__", "code", "chat"]
+    _both(model, adapter_names=late, **kw)
+    for step_on in (["sql"], ["code"]):
+        params = [p for n, p in model.named_parameters()
+                  if "lora_" in n and any(f".{a}." in n for a in step_on)]  # fmt: skip
+        opt = torch.optim.AdamW(params, lr=0.05, fused=True)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        again = _both(model, adapter_names=late, **kw)
+    assert not torch.equal(again, first) and len(built) == 1
