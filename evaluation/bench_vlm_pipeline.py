@@ -1,5 +1,5 @@
 """``pipeline("image-text-to-text", backend="paged")`` vs ``LLM.generate`` on the same (image,
-prompt) pairs, one process, CPU, tiny Gemma 3 (``hf_paged/testing/vlm_frontends.py``).
+prompt) pairs, one process, CPU, tiny Gemma 3 (``hf_paged/testing/vlm/frontends.py``).
 
 Each pair is one generated 16x16 image and a question; both systems run the same processor
 outputs greedy with the same number of new tokens (EOS ignored), each on its own engine built
@@ -32,7 +32,7 @@ from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_sta
 
 
 def _pairs(n: int, seed: int):
-    from hf_paged.testing.vlm_frontends import make_images
+    from hf_paged.testing.vlm.frontends import make_images
 
     images = make_images(n, seed=seed)
     texts = [f"Describe image {i}: " + "what is in it? " * (1 + i % 3) for i in range(n)]
@@ -101,7 +101,7 @@ def _row(system: str, wall: float, tokens: int, running: int, **extra) -> dict:
 def main(argv=None) -> Path:
     import torch
 
-    from hf_paged.testing.vlm_frontends import build_gemma3, build_processor
+    from hf_paged.testing.vlm.frontends import build_gemma3, build_processor
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=32)
@@ -128,7 +128,7 @@ def main(argv=None) -> Path:
     ratio = pipe_row["tok_per_s"] / llm_row["tok_per_s"]
     log(f"pipeline / llm = {ratio:.3f}x; {same}/{len(texts)} pipeline texts equal the LLM's")
     doc = {
-        "benchmark": "vlm_pipeline", "model": "tiny gemma3 (hf_paged/testing/vlm_frontends.py)",
+        "benchmark": "vlm_pipeline", "model": "tiny gemma3 (hf_paged/testing/vlm/frontends.py)",
         "env": environment(), "dtype": "float32", "device": "cpu", "engine_kwargs": ekw,
         "num_pairs": args.pairs, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "systems": [llm_row, pipe_row],

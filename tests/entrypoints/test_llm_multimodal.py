@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.testing.vlm_frontends import build_gemma3, build_processor, make_images, save_gemma3
+from hf_paged.testing.vlm.frontends import build_gemma3, build_processor, make_images, save_gemma3
 
 NEW = 6
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -3,7 +3,7 @@
 lm-eval's own CLI runs twice, as subprocesses at once: stock ``python -m lm_eval --model
 hf-multimodal`` and ``hf-paged run -m lm_eval --model hf-multimodal``, on the task shipped in
 ``examples/lm_eval_tasks/tiny_vqa`` (20 docs, each with a 16x16 image generated from its
-seed) over the tiny Gemma 3 of ``hf_paged/testing/vlm_frontends.py`` saved with its processor.
+seed) over the tiny Gemma 3 of ``hf_paged/testing/vlm/frontends.py`` saved with its processor.
 Gemma 3's processor expands its begin-of-image token, so lm-eval's ``<image>`` becomes
 ``image_string``.
 """
@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
-from hf_paged.testing.vlm_frontends import save_gemma3  # noqa: E402
+from hf_paged.testing.vlm.frontends import save_gemma3  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks")

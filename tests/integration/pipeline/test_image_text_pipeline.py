@@ -15,7 +15,7 @@ from transformers import pipeline
 from hf_paged.integration import dispatch
 from hf_paged.integration.engine_owner import existing_owner
 from hf_paged.testing.parity import fallback_warnings
-from hf_paged.testing.vlm_frontends import build_gemma3, build_processor, make_images
+from hf_paged.testing.vlm.frontends import build_gemma3, build_processor, make_images
 
 NEW = 6
 ENGINE = dict(kv_block_size=4, max_model_len=128, max_num_seqs=8)
