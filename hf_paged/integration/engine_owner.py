@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator
 from hf_paged.config import EngineConfig
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.models import peft
-from hf_paged.models.adapters.adapter import forget_digests
 from hf_paged.models.weight_watch import WeightWatch
 from hf_paged.refusal import Refusal
 
@@ -114,9 +113,6 @@ class EngineOwner:
         else:
             why = self._refresh(model)
             if why is None:
-                if self._watch.adapters_replaced(model):  # LoRA slots: watch the new adapters
-                    forget_digests()
-                    self._watch = WeightWatch(model, lora_slots=True)
                 return self.engine
         self.close()
         start = time.perf_counter()
@@ -143,11 +139,6 @@ class EngineOwner:
         """Copy changed weights into the engine in place; None when done (or nothing changed),
         else why the engine must be rebuilt instead."""
         names = self._watch.changed()
-        if self._watch.adapters_changed:  # LoRA slots: new digests, so new keys and slots
-            forget_digests()
-            logger.info("hf_paged: changed LoRA adapters served from slots under new keys")
-            if not names:
-                self._watch.synced()
         if not names:
             return None
         refresh = getattr(self.engine, "refresh_weights", None)

@@ -60,20 +60,16 @@ class WeightWatch:
         model: the HF model (a ``PeftModel``: the model inside it), read at construction as the
             engine was built from it.
         lora_slots: the engine serves the model's LoRA from slots (``models/adapters``), reading
-            the adapters at every call: adding, switching or removing adapters neither rebuilds
-            nor refreshes anything. Their factors are still watched (a fused optimizer writes
-            them without a version bump): a change sets ``adapters_changed``, and the adapters'
-            digests are taken again from their bytes (``adapter.forget_digests``).
+            the adapters at every call: their factors and state are not watched, so adding,
+            switching or updating adapters neither rebuilds nor refreshes anything.
     """
 
     def __init__(self, model: nn.Module, lora_slots: bool = False):
         weight_stamp.hold_hook(self)  # fused steps: ``mark``
         model = peft.unwrap(model)
         self._slots = lora_slots
-        self._params = dict(model.named_parameters())  # tied ones once
-        # LoRA factors served from slots: watched, but no served weight of the engine's
-        self._lora = {n for n in self._params if lora_slots and peft_lora.is_adapter_parameter(n)}
-        self.adapters_changed = False  # set by ``changed``
+        self._params = {n: p for n, p in model.named_parameters()  # tied ones once
+                        if not (lora_slots and peft_lora.is_adapter_parameter(n))}  # fmt: skip
         self._served = peft.served_names(model)  # param name -> served names it feeds
         self._by_id = {id(p): n for n, p in self._params.items()}
         self._index = {n: weight_stamp.probe_index(p) for n, p in self._params.items()}
@@ -104,15 +100,6 @@ class WeightWatch:
     def layout_changed(self, model: nn.Module) -> bool:
         return self.layout_key(model, self._slots) != self._layout
 
-    def adapters_replaced(self, model: nn.Module) -> bool:
-        """LoRA served from slots: adapters were added, removed or their factors replaced since
-        this watch was made (a new watch follows them; the engine stays)."""
-        if not self._slots:
-            return False
-        now = {n: p for n, p in peft.unwrap(model).named_parameters()
-               if peft_lora.is_adapter_parameter(n)}  # fmt: skip
-        return now.keys() != self._lora or any(now[n] is not self._params[n] for n in now)
-
     def mark(self, param_ids: set[int]) -> None:
         """An optimizer stepped the parameters with these ids (the step hook)."""
         hit = [self._by_id[i] for i in param_ids if i in self._by_id]
@@ -141,8 +128,7 @@ class WeightWatch:
                 if not torch.equal(probe[start : start + k], self._probe[start : start + k]):
                     names.add(n)
                 start += k
-        self.adapters_changed = bool(names & self._lora)
-        return {s for n in names - self._lora for s in self._served.get(n, (n,))}
+        return {s for n in names for s in self._served.get(n, (n,))}
 
     def synced(self) -> None:
         """The engine now holds the current values: remember versions and probe, clear marks."""

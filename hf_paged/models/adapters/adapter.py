@@ -141,13 +141,6 @@ def _fast_digest(per: dict[str, list[LoraFactors]]) -> str:
 _DIGESTS: dict[tuple, str] = {}
 
 
-def forget_digests() -> None:
-    """Take every live adapter's digest from its bytes again at its next use: its factors may
-    have changed without a version bump (a fused optimizer step; the engine owner's watch
-    tells)."""
-    _DIGESTS.clear()
-
-
 # ---- from a directory -------------------------------------------------------------------------
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])\.(?:[^.]+\.)?weight$")

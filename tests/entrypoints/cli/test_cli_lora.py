@@ -61,7 +61,7 @@ def _llm_rows(base, prompts, loras):
 def test_one_lora_for_every_prompt(saved, capsys):
     base, dirs = saved
     code, out, err = run_cli(capsys, "generate", base, "--prompt", "Hello", "--prompt", "ab",
-                             "--max-tokens", "6", "--temperature", "0",
+                             "--max-tokens", "6", "--temperature", "0", "--in-order",
                              "--lora", f"sql={dirs['sql']}", *ENGINE_ARGS)  # fmt: skip
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
@@ -76,7 +76,7 @@ def test_lora_per_prompts_file_line(saved, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "Hello", "lora": "chat"}\nplain\n{"prompt": "ab", "lora": "sql"}\n')
     code, out, err = run_cli(capsys, "generate", base, "--prompts-file", str(f),
-                             "--max-tokens", "6", "--temperature", "0",
+                             "--max-tokens", "6", "--temperature", "0", "--in-order",
                              "--lora", f"sql={dirs['sql']}", "--lora", f"chat={dirs['chat']}",
                              *ENGINE_ARGS)  # fmt: skip
     assert code == 0, err
