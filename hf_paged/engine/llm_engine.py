@@ -75,7 +75,8 @@ class LLMEngine:
         self.hf_config = self.runtime.hf_config
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
-        self.requests = RequestTable(self._new_generator)
+        device = self.runtime.device  # a seeded request's generators: on the engine's device
+        self.requests = RequestTable(lambda seed: torch.Generator(device).manual_seed(seed))
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.worker.executor import create_executor
@@ -132,12 +133,6 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids) -> list[int]:
-        """The prompt as a list of ints; ValueError naming what is wrong."""
-        return validate_prompt(
-            prompt_token_ids, self.runtime.vocab_size, self.runtime.max_model_len
-        )
-
     def add_request(self, request: EngineRequest) -> int | str:
         """Queue a request (its fields say what it needs: ``EngineRequest``); returns its id.
 
@@ -145,15 +140,16 @@ class LLMEngine:
             ValueError / TypeError: bad input (named in the message); nothing is queued then.
         """
         self._check_open()
-        params = check_request(request, self.runtime.vocab_size)
+        rt = self.runtime
+        params = check_request(request, rt.vocab_size)
         proposer = request.proposer
-        if proposer is not None and self.runtime.num_state_slots:
+        if proposer is not None and rt.num_state_slots:
             raise ValueError(
                 f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
                 "layers, whose per-sequence state cannot take back rejected speculative "
                 "tokens; allowed: proposer=None"
             )
-        ids = self.validate_prompt(request.prompt_token_ids)
+        ids = validate_prompt(request.prompt_token_ids, rt.vocab_size, rt.max_model_len)
         ranges = validate_bidirectional_ranges(request.bidirectional_ranges, len(ids))
         key = request.lora_key
         if key is not None and (self.lora is None or not self.lora.has(key)):
@@ -302,17 +298,7 @@ class LLMEngine:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("request_states reads rank 0's states only: tensor_parallel_size=1")
         pool = self.executor.runner.state_pool
-        if pool is None:
-            return []
-        slots = []
-        for rid in request_ids:
-            req = self.requests.by_id.get(rid)
-            if req is None or len(req.seqs) != 1 or not req.seqs[0].state_slot:
-                raise ValueError(f"request_id={rid!r} holds no state slot")
-            slots.append(req.seqs[0].state_slot)
-        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
-        return [{name: t.index_select(0, index) for name, t in layer.items()}
-                for layer in pool.layers]  # fmt: skip
+        return [] if pool is None else pool.gather(self.requests.state_slots(request_ids))
 
     # ---- driving requests ---------------------------------------------------------------
 
@@ -340,7 +326,8 @@ class LLMEngine:
         out, overlapped = self._schedule()
         with self.profile.section("step_total"):
             self._run(out, overlapped, result)  # the stop rule applied to the tokens it took
-            self._collect_finished(result)
+            ready = self.overlap.ready if self.overlap is not None else None
+            result.finished += self.postprocess.collect(ready, self.tokenizer)
         return result
 
     def _schedule(self):
@@ -377,19 +364,6 @@ class LLMEngine:
     def finish_sequence(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (its request is reported once all its sequences are done)."""
         self.postprocess.finish(seq, reason)
-
-    def _collect_finished(self, result: StepResult) -> None:
-        """Report requests whose last sequence finished (only those touched since last time);
-        with overlapped stepping, not before their last token reached the host."""
-        ready = self.overlap.ready if self.overlap is not None else None
-        for req in self.requests.take_done(ready):
-            result.finished.append(req.output(self.tokenizer))
-
-    def _new_generator(self, seed: int) -> torch.Generator:
-        """A generator on the engine's device seeded with ``seed`` (a seeded request's)."""
-        g = torch.Generator(device=self.runtime.device)
-        g.manual_seed(seed)
-        return g
 
     # ---- stats / lifecycle --------------------------------------------------------------
 

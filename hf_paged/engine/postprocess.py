@@ -62,3 +62,9 @@ class Postprocessor:
             self.release(seq)
         self.scheduler.finish(seq, reason)
         self.requests.mark_finished(seq)
+
+    def collect(self, ready, tokenizer) -> list:
+        """The ``RequestOutput`` of each request whose last sequence finished (only those touched
+        since last time); with overlapped stepping (``ready``: ``seq_id -> bool``), not before
+        their last token reached the host."""
+        return [req.output(tokenizer) for req in self.requests.take_done(ready)]

@@ -40,7 +40,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from hf_paged.config import SamplingParams
 from hf_paged.engine.core.request import EngineRequest
 from hf_paged.engine.core.request_loop import RequestGroup
-from hf_paged.integration.contract.cache import CacheContract, fill, output_field
+from hf_paged.integration.contract.cache import CacheContract, output_field
+from hf_paged.integration.contract.content import fill
 from hf_paged.integration.plan import fit_refusal
 from hf_paged.integration.prepare import PreparedCall
 from hf_paged.refusal import Refusal

@@ -28,13 +28,8 @@ import torch
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_paged.integration.beam_search import generate_beams
-from hf_paged.integration.contract.cache import (
-    cache_contract,
-    check_passed,
-    fill,
-    output_field,
-    take_passed_cache,
-)
+from hf_paged.integration.contract.cache import cache_contract, output_field, take_passed_cache
+from hf_paged.integration.contract.content import check_passed, fill
 from hf_paged.integration.external import run_external
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.route import Beams, DraftHold, External, Native, route

@@ -181,6 +181,20 @@ class RequestTable:
             out.append([table[p // block_size] * block_size + p % block_size for p in range(n)])
         return out
 
+    def state_slots(self, request_ids: list) -> list[int]:
+        """Per request, the state-pool slot of its one sequence.
+
+        Raises:
+            ValueError: a request unknown, with several sequences, or holding no slot.
+        """
+        slots = []
+        for rid in request_ids:
+            req = self.by_id.get(rid)
+            if req is None or len(req.seqs) != 1 or not req.seqs[0].state_slot:
+                raise ValueError(f"request_id={rid!r} holds no state slot")
+            slots.append(req.seqs[0].state_slot)
+        return slots
+
     def set_seqs(self, req: RequestState, seqs: list[Sequence]) -> None:
         """Make ``seqs`` the sequences of ``req`` (beam search); those it drops are forgotten."""
         keep = {s.seq_id for s in seqs}

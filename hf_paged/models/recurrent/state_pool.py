@@ -123,6 +123,12 @@ class StatePool:
             for t in states.values():
                 t[dst] = t[src]
 
+    def gather(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The states at ``slots``: ``{name: [len(slots), *shape]}`` per layer, in order."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return [{name: t.index_select(0, index) for name, t in layer.items()}
+                for layer in self.layers]  # fmt: skip
+
     def reset(self) -> None:
         """Free every slot (the engine's caches are dropped)."""
         self._free = list(range(self.num_slots, 0, -1))
