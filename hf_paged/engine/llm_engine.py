@@ -75,8 +75,7 @@ class LLMEngine:
         self.hf_config = self.runtime.hf_config
         self.tokenizer = tokenizer if tokenizer is not None else self.runtime.tokenizer
         self._ids = count()
-        device = self.runtime.device  # a seeded request's generators: on the engine's device
-        self.requests = RequestTable(lambda seed: torch.Generator(device).manual_seed(seed))
+        self.requests = RequestTable(lambda s: torch.Generator(self.runtime.device).manual_seed(s))
         self._closed = False
         self.profile = StepProfile()  # HF_PAGED_PROFILE=1 turns it on
         from hf_paged.engine.worker.executor import create_executor
@@ -133,6 +132,11 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
+    def validate_prompt(self, prompt_token_ids) -> list[int]:
+        """The prompt as a list of ints; ValueError naming what is wrong."""
+        rt = self.runtime
+        return validate_prompt(prompt_token_ids, rt.vocab_size, rt.max_model_len)
+
     def add_request(self, request: EngineRequest) -> int | str:
         """Queue a request (its fields say what it needs: ``EngineRequest``); returns its id.
 
@@ -144,12 +148,10 @@ class LLMEngine:
         params = check_request(request, rt.vocab_size)
         proposer = request.proposer
         if proposer is not None and rt.num_state_slots:
-            raise ValueError(
-                f"proposer={type(proposer).__name__} is not allowed: the model has recurrent "
-                "layers, whose per-sequence state cannot take back rejected speculative "
-                "tokens; allowed: proposer=None"
-            )
-        ids = validate_prompt(request.prompt_token_ids, rt.vocab_size, rt.max_model_len)
+            raise ValueError(f"proposer={type(proposer).__name__} is not allowed: the model has "
+                             "recurrent layers, whose per-sequence state cannot take back rejected "
+                             "speculative tokens; allowed: proposer=None")  # fmt: skip
+        ids = self.validate_prompt(request.prompt_token_ids)
         ranges = validate_bidirectional_ranges(request.bidirectional_ranges, len(ids))
         key = request.lora_key
         if key is not None and (self.lora is None or not self.lora.has(key)):
