@@ -284,3 +284,12 @@ def set_environment(values: dict[str, str]) -> None:
                 f"set_environment: {name!r} is not allowed: only {list(WORKER_ENV_DEFAULTS)}"
             )
     os.environ.update(values)
+
+
+def child_environment(drop: tuple[str, ...] = (), **values: str) -> dict[str, str]:
+    """This process's environment for a child process: a copy with ``values`` set and the
+    names in ``drop`` removed (this process's environment is not changed)."""
+    env = {**os.environ, **values}
+    for name in drop:
+        env.pop(name, None)
+    return env

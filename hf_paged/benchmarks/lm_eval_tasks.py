@@ -115,3 +115,38 @@ def agreement(kind: str, stock: list[dict], paged: list[dict], rel_tol: float = 
     bad = [(x, y) for x, y in pairs if not math.isclose(x, y, rel_tol=rel_tol, abs_tol=abs_tol)]
     facts["not_close"] = {"count": len(bad), "examples": bad[:3]}
     return facts
+
+
+def subprocess_env(checkout: str) -> dict:
+    """The environment of an lm-eval run in a subprocess: ``checkout`` on ``PYTHONPATH``, one
+    thread, nothing from the hub, and no ``HF_PAGED_BACKEND`` (each command says itself whether
+    it runs paged)."""
+    from hf_paged import envs
+
+    return envs.child_environment(
+        drop=("HF_PAGED_BACKEND",),
+        PYTHONPATH=checkout,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def run_side_by_side(cmds: dict[str, list[str]], env: dict, cwd: str, log_dir: str,
+                     timeout: float) -> dict[str, tuple[int, str]]:  # fmt: skip
+    """Start every command at once (stock and paged together: half the wall time of one after
+    the other), each writing ``<log_dir>/<name>.log``; wait for each. Returns ``{name: (exit
+    code, log text)}``."""
+    import subprocess
+
+    procs = {}
+    for name, cmd in cmds.items():
+        log = open(Path(log_dir) / f"{name}.log", "w")  # noqa: SIM115 - closed below
+        procs[name] = (subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=log), log)
+    out = {}
+    for name, (proc, log) in procs.items():
+        rc = proc.wait(timeout=timeout)
+        log.close()
+        out[name] = (rc, Path(log.name).read_text())
+    return out

@@ -14,13 +14,13 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
+from hf_paged.benchmarks.lm_eval_tasks import run_side_by_side, subprocess_env  # noqa: E402
 from hf_paged.integration.lm_eval.scoring import score_window  # noqa: E402
 from hf_paged.testing import save_demo_model  # noqa: E402
 
@@ -140,19 +140,10 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lm_eval"))
     model = save_demo_model(os.path.join(root, "model"), seed=0)
     tasks = write_tasks(root)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    env.pop("HF_PAGED_BACKEND", None)
-    procs = {}
-    for name, paged in (("stock", False), ("paged", True)):  # both at once: half the wall time
-        log = open(os.path.join(root, f"{name}.log"), "w")
-        cmd = lm_eval_cmd(model, tasks, os.path.join(root, name), paged)
-        procs[name] = (subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=log), log)
-    for name, (proc, log) in procs.items():
-        rc = proc.wait(timeout=300)
-        log.close()
-        with open(log.name) as f:
-            text = f.read()
+    cmds = {name: lm_eval_cmd(model, tasks, os.path.join(root, name), paged)
+            for name, paged in (("stock", False), ("paged", True))}  # fmt: skip
+    runs = run_side_by_side(cmds, subprocess_env(ROOT), root, root, timeout=300)
+    for name, (rc, text) in runs.items():
         assert rc == 0, f"{name} lm_eval failed:\n{text[-3000:]}"
         if name == "paged":
             assert "PagedFallbackWarning" not in text, text[-3000:]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
+from hf_paged.benchmarks.lm_eval_tasks import run_side_by_side, subprocess_env  # noqa: E402
 from hf_paged.testing.vlm.frontends import save_gemma3  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -47,20 +47,11 @@ def _samples(out: str) -> list[dict]:
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lm_eval_mm"))
     model = save_gemma3(os.path.join(root, "model"))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    env.pop("HF_PAGED_BACKEND", None)
-    procs = {}
-    for name, paged in (("stock", False), ("paged", True)):  # both at once: half the wall time
-        log = open(os.path.join(root, f"{name}.log"), "w")
-        cmd = _cmd(model, os.path.join(root, name), paged)
-        # the task's data file is named relative to the repository root
-        procs[name] = (subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log), log)
-    for name, (proc, log) in procs.items():
-        rc = proc.wait(timeout=500)
-        log.close()
-        with open(log.name) as f:
-            text = f.read()
+    cmds = {name: _cmd(model, os.path.join(root, name), paged)
+            for name, paged in (("stock", False), ("paged", True))}  # fmt: skip
+    # the task's data file is named relative to the repository root: run from there
+    runs = run_side_by_side(cmds, subprocess_env(ROOT), ROOT, root, timeout=500)
+    for name, (rc, text) in runs.items():
         assert rc == 0, f"{name} lm_eval failed:\n{text[-3000:]}"
         if name == "paged":
             assert "PagedFallbackWarning" not in text, text[-3000:]

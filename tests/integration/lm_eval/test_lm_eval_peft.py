@@ -9,13 +9,14 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 pytest.importorskip("peft")
+
+from hf_paged.benchmarks.lm_eval_tasks import run_side_by_side, subprocess_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TASKS = "tiny_gen,tiny_mc"
@@ -93,19 +94,10 @@ def runs(tmp_path_factory):
     model = save_demo_model(os.path.join(root, "model"), seed=0)
     adapter = _adapter(model, os.path.join(root, "adapter"))
     tasks = write_tasks(root)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    env.pop("HF_PAGED_BACKEND", None)
-    procs = {}
-    for name, paged in (("stock", False), ("paged", True)):
-        cmd = lm_eval_cmd(model, adapter, tasks, os.path.join(root, name), paged)
-        log = open(os.path.join(root, f"{name}.log"), "w")
-        procs[name] = (subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=log), log)
-    for name, (proc, log) in procs.items():
-        rc = proc.wait(timeout=400)
-        log.close()
-        with open(log.name) as f:
-            text = f.read()
+    cmds = {name: lm_eval_cmd(model, adapter, tasks, os.path.join(root, name), paged)
+            for name, paged in (("stock", False), ("paged", True))}  # fmt: skip
+    runs = run_side_by_side(cmds, subprocess_env(ROOT), root, root, timeout=400)
+    for name, (rc, text) in runs.items():
         assert rc == 0, f"{name} lm_eval failed:\n{text[-3000:]}"
         if name == "paged":
             assert "PagedFallbackWarning" not in text, text[-3000:]
