@@ -73,7 +73,6 @@ def main() -> None:
         use_cpu=True,
         max_steps=args.steps,
         generation_kwargs={"do_sample": False},  # greedy: comparable with stock, row for row
-        bf16=False,  # fp32: accelerate's bf16 autocast is not reproduced by the engine
         report_to="none",
         **extra,
     )
