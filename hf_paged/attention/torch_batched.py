@@ -18,9 +18,10 @@ computes in bf16, where its CPU kernel's result for a query row depends on how m
 call holds, masked or not (its blocking of the probability x value product over the keys):
 padding a sequence's keys to a longer one's moves its output by a bf16 rounding step now and
 then. Stock's oracle, each request alone, attends over exactly its own keys; so there a step's
-sequences are grouped by equal query and context lengths (``exact``), and a group whose every
-query sees every key passes no mask, as stock's decode does. One call per group: GRPO's copies
-of one prompt decode as one.
+sequences are grouped by equal query and context lengths (``exact``), and a decode group passes
+no mask and, in a sliding-window layer, only the window's keys, as stock's decode does (its
+sliding cache holds the last ``window`` keys). One call per group: GRPO's copies of one prompt
+decode as one.
 
 A float8 KV cache goes to the reference (it attends to a whole prompt's own unquantized K/V, which
 a gather from the cache cannot give), and so does a step with bidirectional ranges (images of
@@ -253,8 +254,10 @@ class TorchBatchedBackend(AttentionBackend):
         if plain and q.dtype == torch.float32:
             # [N, 1, g*mq, Lk] (a decode's one row broadcasts over the g heads)
             m = mask[:, None] if g == 1 or mq == 1 else mask.repeat(1, g, 1)[:, None]
-            if lay.sees_all and spec.sliding_window is None:
-                m = None  # every query sees every key: stock's decode passes no mask either
+            if lay.sees_all:  # decode over equal contexts (``exact``): stock's decode keys
+                m, w = None, spec.sliding_window
+                if w is not None and lk > w:  # stock's sliding cache holds the last w keys
+                    keys, vals = keys[:, :, -w:], vals[:, :, -w:]
             o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=m, scale=spec.scale)
         else:
             o = _attend_modified(qg, keys, vals, mask, lay, spec, sinks)

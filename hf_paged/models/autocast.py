@@ -29,9 +29,11 @@ batch gives other tokens now and then), which bounds what "equal to stock" means
 docs/rl.md has the measured rates.
 
 Served: bf16 autocast on the model itself (not around a submodule), over float32 weights, on the
-CPU. Refused by name (``autocast``), with what to change: fp16 autocast, weights of another
-dtype, an autocast for another device than the model's, and CUDA, whose fused Triton kernels
-(norm, rope with the KV write, paged attention) do not follow autocast's casts.
+CPU, for attention-only text decoders (native or generic path). Refused by name (``autocast``),
+with what to change: fp16 autocast, weights of another dtype, an autocast for another device
+than the model's; CUDA, whose fused Triton kernels (norm, rope with the KV write, paged
+attention) do not follow autocast's casts; recurrent layers (the engine's own mixers and float32
+state pools) and vision-language models (the image tower runs outside the decoder's forward).
 """
 
 from __future__ import annotations
@@ -86,6 +88,21 @@ def _weights(model: nn.Module) -> tuple[torch.dtype | None, torch.device | None]
     return (None, None) if p is None else (p.dtype, p.device)
 
 
+def _unserved_part(model: nn.Module) -> str | None:
+    """What of ``model`` the engine would compute outside stock's autocast: recurrent layers
+    (the engine's own mixers and their float32 state pools), an image tower (the front end runs
+    it outside the forward), or None."""
+    from hf_paged.models.recurrent.registry import recurrent_modules
+
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is not None:
+        return "a vision-language model (its image tower runs outside the decoder's forward)"
+    found = recurrent_modules(model)
+    if found:
+        return f"recurrent layers ({type(found[0][1]).__name__})"
+    return None
+
+
 def autocast_refusal(state: AutocastState, model: nn.Module, name: str = "") -> Refusal | None:
     """Why the engine does not reproduce ``model``'s forward under ``state`` (an enabled
     autocast around the forward of ``model``, or of its submodule ``name``), or None when it
@@ -116,6 +133,8 @@ def autocast_refusal(state: AutocastState, model: nn.Module, name: str = "") -> 
             f"turn mixed precision off (the weights are {dtype} already: a trainer's "
             "bf16=False, accelerate's mixed_precision='no')"
         )
+    elif (part := _unserved_part(model)) is not None:
+        why = f"the engine serves bf16 autocast for attention-only text decoders, not {part}"
     else:
         return None
     return Refusal("autocast", f"{what}: {why}; {off}")

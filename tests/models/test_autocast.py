@@ -95,7 +95,8 @@ def _finite_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b)[both].abs()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+# native (Qwen3: q/k norms; Mistral: a sliding window on every layer) and the generic path
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma2"])
 def test_bf16_autocast_is_served_and_computes_as_stock_under_it(family, caplog):
     model = _model(family)
     prompts = make_prompts(LENGTHS, seed=0, vocab=model.config.vocab_size)
@@ -174,6 +175,26 @@ def test_autocasts_the_engine_does_not_reproduce_fall_back_by_name(case, why):
     stock, stock_scores, _ = _batched(model, prompts, "hf")
     assert len(msgs) == 1 and "[autocast]" in msgs[0] and why in msgs[0]
     assert paged == stock and torch.equal(paged_scores, stock_scores)  # it ran stock
+
+
+@pytest.mark.parametrize("model_type, why", [("mamba", "recurrent layers (MambaMixer)"),
+                                             ("jamba", "recurrent layers")])  # fmt: skip
+def test_bf16_autocast_on_recurrent_layers_falls_back_by_name(model_type, why):
+    """The engine's own mixers and float32 state pools do not follow autocast: refused."""
+    model = build_tiny(model_type)[1]
+    accelerate_mixed_precision(model)
+    refusal = instance_forward_refusal(model)
+    assert refusal.reason == "autocast" and why in refusal.detail
+    assert instance_autocast(model) is None
+
+
+def test_bf16_autocast_on_a_vision_language_model_falls_back_by_name():
+    """Its image tower runs in the front end, outside the decoder's forward and its autocast."""
+    from hf_paged.testing.vlm import build_tiny_vlm
+
+    model = build_tiny_vlm("qwen3_vl")
+    refusal = autocast_refusal(BF16, model)
+    assert refusal.reason == "autocast" and "vision-language" in refusal.detail
 
 
 def test_an_autocast_for_another_device_is_refused():
