@@ -33,7 +33,10 @@ CPU, for attention-only text decoders (native or generic path). Refused by name 
 with what to change: fp16 autocast, weights of another dtype, an autocast for another device
 than the model's; CUDA, whose fused Triton kernels (norm, rope with the KV write, paged
 attention) do not follow autocast's casts; recurrent layers (the engine's own mixers and float32
-state pools) and vision-language models (the image tower runs outside the decoder's forward).
+state pools), vision-language models (the image tower runs outside the decoder's forward) and
+PEFT adapters on the wrapped model (merged or in LoRA slots, not PEFT's own matmuls). TRL's
+LoRA runs are served all the same: accelerate wraps the ``PeftModel``'s forward there, which
+PEFT's ``generate`` never calls, so stock's rollouts run in float32 and so do the engine's.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_paged.models import peft
 from hf_paged.refusal import Refusal
 
 
@@ -89,9 +93,10 @@ def _weights(model: nn.Module) -> tuple[torch.dtype | None, torch.device | None]
 
 
 def _unserved_part(model: nn.Module) -> str | None:
-    """What of ``model`` the engine would compute outside stock's autocast: recurrent layers
-    (the engine's own mixers and their float32 state pools), an image tower (the front end runs
-    it outside the forward), or None."""
+    """What of ``model`` the engine would compute otherwise than stock under autocast: recurrent
+    layers (the engine's own mixers and their float32 state pools), an image tower (the front end
+    runs it outside the forward), PEFT adapters (the engine merges them or runs them from its
+    LoRA slots), or None."""
     from hf_paged.models.recurrent.registry import recurrent_modules
 
     config = getattr(model, "config", None)
@@ -100,6 +105,8 @@ def _unserved_part(model: nn.Module) -> str | None:
     found = recurrent_modules(model)
     if found:
         return f"recurrent layers ({type(found[0][1]).__name__})"
+    if peft.tuner_modules(model):  # merged or in LoRA slots, not PEFT's own bf16 matmuls
+        return "PEFT adapters on it"
     return None
 
 

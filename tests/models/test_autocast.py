@@ -197,6 +197,19 @@ def test_bf16_autocast_on_a_vision_language_model_falls_back_by_name():
     assert refusal.reason == "autocast" and "vision-language" in refusal.detail
 
 
+def test_bf16_autocast_over_peft_adapters_falls_back_by_name():
+    """Adapters merged or in LoRA slots are not PEFT's own bf16 matmuls: refused on the model
+    whose forward is wrapped (accelerate wrapping a ``PeftModel`` leaves generation in fp32,
+    tests/integration/test_trl_grpo.py)."""
+    peft = pytest.importorskip("peft")
+    model = build_hf_model("llama", seed=0)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    inner = model.get_base_model()
+    accelerate_mixed_precision(inner)
+    refusal = instance_forward_refusal(inner)
+    assert refusal.reason == "autocast" and "PEFT adapters" in refusal.detail
+
+
 def test_an_autocast_for_another_device_is_refused():
     model = build_hf_model("llama", seed=0)
     refusal = autocast_refusal(AutocastState("cuda", torch.bfloat16), model)
