@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer under ``hf-paged run`` (``examples/rl_grpo.py``: 5 steps at TRL's defaults
-except ``use_cpu`` and greedy ``generation_kwargs``, completions of at most 64 tokens to keep it
-short). TRL's default ``bf16=True`` puts accelerate's bf16 autocast around the model's forward:
+except ``use_cpu`` and greedy ``generation_kwargs``, so completions of up to 256 tokens, 8
+generations of one prompt a step). TRL's default ``bf16=True`` puts accelerate's bf16 autocast around the model's forward:
 the engine runs under the same autocast (its start says so). Every rollout runs on the paged
 engine (``--report``), each step's rollouts equal stock's run of the same script, and one engine
 serves all five steps (one start, so one KV cache allocation), its weights refreshed in place
@@ -21,7 +21,7 @@ from tests.entrypoints.cli.procs import finish, start_python
 pytest.importorskip("trl")
 
 RUNS = {  # name -> (steps, in-place refreshes of the engine's weights, autocast, arguments)
-    "full": (5, 4, True, ["--steps", "5", "--max-completion-length", "64"]),
+    "full": (5, 4, True, ["--steps", "5"]),
     # LoRA slots serve the adapter unmerged: its new factors reach a slot under a new key, the
     # base weights never change
     "lora": (2, 0, False, ["--steps", "2", "--max-completion-length", "32", "--lora"]),
