@@ -196,6 +196,12 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         autocast = instance_autocast(model)  # generate calls the HF model's forward, not PEFT's
         gen_config = getattr(model, "generation_config", None)
         device = _resolve_device(config.device, model.device)
+        if autocast is not None and not device.startswith(autocast.device_type):
+            raise ValueError(
+                f"device={device!r} is not allowed for this model: its forward runs under "
+                f"{autocast.describe()}, which the engine reproduces on that device only; "
+                f"leave device unset (the model's) or set device={autocast.device_type!r}"
+            )
         dtype = _resolve_dtype(config.dtype, _compute_dtype(model), device)
         path, tokenizer = None, None
     elif isinstance(model, (str, os.PathLike)):
