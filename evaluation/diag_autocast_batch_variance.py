@@ -105,7 +105,9 @@ def main() -> None:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()  # fmt: skip
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = Path(args.out or ROOT / "evaluation" / "results" / f"autocast_batch_variance_{stamp}.json")
+    path = Path(
+        args.out or ROOT / "evaluation" / "results" / f"autocast_batch_variance_{stamp}.json"
+    )
     path.write_text(json.dumps({
         "benchmark": "autocast_batch_variance", "git_sha": sha, "machine": os.uname().nodename,
         "torch": torch.__version__, "prompts": len(LENGTHS), "prompt_lengths": LENGTHS,

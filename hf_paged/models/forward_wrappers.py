@@ -127,7 +127,6 @@ def _patched(name: str, what: str) -> Refusal:
         "patched_forward",
         f"{_label(name)} has its own forward set on the instance ({what}), which runs "
         "in stock's forward only (the wrappers served are TRL's add_fused_lm_head, "
-        "accelerate's fp32 output cast and its bf16 autocast): restore the class's forward (del model.forward) to "
-        "serve the model paged, or generate with backend='hf'",
+        "accelerate's fp32 output cast and its bf16 autocast): restore the class's forward "
+        "(del model.forward) to serve the model paged, or generate with backend='hf'",
     )
-
