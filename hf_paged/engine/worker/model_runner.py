@@ -59,9 +59,7 @@ class ModelRunner:
         # the KV cache's dtype: the model's, or float8_e4m3fn (kv_cache_dtype="fp8")
         self.kv_dtype = torch.float8_e4m3fn if spec.config.kv_cache_dtype != "auto" else spec.dtype
         self.max_model_len = spec.max_model_len
-        # the model's mixed precision (``models/autocast.py``): every forward and head call runs
-        # under it, and the logits leave it as float32, as accelerate's output cast gives them
-        self.autocast = spec.autocast
+        self.autocast = spec.autocast  # forwards and heads run under it (``models/autocast.py``)
 
         self.kv_cache: KVCache | None = None
         self.state_pool: StatePool | None = None  # recurrent layers' states (``_build``)
