@@ -7,8 +7,11 @@ GRPOTrainer calls ``model.generate`` for every step's rollouts; under ``hf-paged
 calls go to one engine per model. After each optimizer step (fused AdamW, the Trainer's
 default) the engine copies the changed weights into its own tensors before the next rollout:
 no engine rebuild, no KV cache re-allocation (the log says "changed weights refreshed").
-Generation is greedy here so that the paged and stock runs can be compared token for token;
-sampled rollouts are just as current, but draw other samples than stock (docs/rl.md says why).
+The trainer runs at TRL's defaults except ``use_cpu`` and greedy generation: its default
+``bf16=True`` wraps the forward in accelerate's bf16 autocast, and the engine runs under the same
+autocast (docs/rl.md, "Mixed precision"). Generation is greedy here so that the paged and stock
+runs can be compared token for token; sampled rollouts are just as current, but draw other
+samples than stock (docs/rl.md says why).
 
 A tiny random model and a character tokenizer are built locally (nothing is downloaded), so the
 completions are gibberish. ``--lora`` trains a LoRA adapter instead of the whole model (TRL's
@@ -73,7 +76,6 @@ def main() -> None:
         use_cpu=True,
         max_steps=args.steps,
         generation_kwargs={"do_sample": False},  # greedy: comparable with stock, row for row
-        bf16=False,  # fp32: accelerate's bf16 autocast is not reproduced by the engine
         report_to="none",
         **extra,
     )

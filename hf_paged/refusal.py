@@ -111,7 +111,8 @@ REASONS: dict[str, str] = {
     "max_model_len": "lower max_new_tokens, or build the engine with a larger max_model_len",
     "rope_length": "keep rows under the length at which the model's rope scaling changes",
     # who runs it
-    "autocast": "drop lm-eval's mixed_precision_dtype",
+    "autocast": "see the detail: mixed precision the engine does not reproduce (lm-eval's "
+    "mixed_precision_dtype, an fp16 or CUDA autocast)",
     "data_parallel": "run lm-eval on one rank per engine",
     "reentrant": "do not call generate from inside a paged call on the same model",
     "seq2seq": "nothing: lm-eval's seq2seq models run stock",

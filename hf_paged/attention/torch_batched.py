@@ -13,6 +13,16 @@ matmul-softmax path over the same layout, in the reference's order (scores in th
 softmax in fp32). The step's layout (indices and masks) is built once and
 shared by every layer of the step.
 
+Under a reduced-precision autocast (the model's mixed precision, ``models/autocast.py``) SDPA
+computes in bf16, where its CPU kernel's result for a query row depends on how many keys the
+call holds, masked or not (its blocking of the probability x value product over the keys):
+padding a sequence's keys to a longer one's moves its output by a bf16 rounding step now and
+then. Stock's oracle, each request alone, attends over exactly its own keys; so there a step's
+sequences are grouped by equal query and context lengths (``exact``), and a decode group passes
+no mask and, in a sliding-window layer, only the window's keys, as stock's decode does (its
+sliding cache holds the last ``window`` keys). One call per group: GRPO's copies of one prompt
+decode as one.
+
 A float8 KV cache goes to the reference (it attends to a whole prompt's own unquantized K/V, which
 a gather from the cache cannot give), and so does a step with bidirectional ranges (images of
 Gemma 3 and its kin).
@@ -49,6 +59,8 @@ class StepLayout:
     base_mask: torch.Tensor  # [N, max_q, max_ctx] bool: causal and inside the context
     # [T_group] int64: the step's token rows this layout computes (None: all, in order)
     out_rows: torch.Tensor | None = None
+    # every query sees every key of its sequence (decode over equal contexts, no key padding)
+    sees_all: bool = False
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by sliding window
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # by kv head count
 
@@ -76,15 +88,18 @@ _MAX_PADDING = 2.0
 _SMALL_PAIRS = 1 << 16
 
 
-def build_layouts(meta: AttentionMetadata, block_size: int | None, device) -> list[StepLayout]:
+def build_layouts(meta: AttentionMetadata, block_size: int | None, device,
+                  exact: bool = False) -> list[StepLayout]:  # fmt: skip
     """The padded layouts of ``meta``'s step: one for a decode step; for a step with prefill
-    chunks, one per group of sequences of similar lengths (see ``group_sequences``).
+    chunks, one per group of sequences of similar lengths (see ``group_sequences``); with
+    ``exact``, one per distinct (query length, context length) (module docstring).
     ``block_size`` None: no cache, keys are rows of the step's own k (whole prompts)."""
     cu = torch.tensor(meta.cu_seqlens_q_cpu or meta.cu_seqlens_q.tolist(), dtype=torch.int64)
     ctx = torch.tensor(meta.context_lens_cpu or meta.context_lens.tolist(), dtype=torch.int64)
     q_lens = cu[1:] - cu[:-1]  # [N]
     tables = None if block_size is None else meta.block_tables.to("cpu", torch.int64)
-    groups = group_sequences(q_lens.tolist(), ctx.tolist())
+    group = group_exact if exact else group_sequences
+    groups = group(q_lens.tolist(), ctx.tolist())
     if len(groups) == 1:
         return [_layout(cu, q_lens, ctx, tables, block_size, device, torch.arange(len(q_lens)))]
     return [_layout(cu, q_lens, ctx, tables, block_size, device, torch.tensor(g)) for g in groups]
@@ -112,6 +127,15 @@ def group_sequences(q_lens: list[int], ctx: list[int]) -> list[list[int]]:
         max_q, max_ctx, real = mq, mc, real + q_lens[i] * ctx[i]
     groups.append(sorted(cur))
     return groups
+
+
+def group_exact(q_lens: list[int], ctx: list[int]) -> list[list[int]]:
+    """Sequence indices grouped by equal (query length, context length), so that no key is
+    padding (module docstring); groups in order of their first sequence."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(q_lens, ctx)):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 def _layout(cu, q_lens, ctx, tables, block_size, device, seqs: torch.Tensor) -> StepLayout:
@@ -144,8 +168,9 @@ def _layout(cu, q_lens, ctx, tables, block_size, device, seqs: torch.Tensor) -> 
         blocks = (k_pos // block_size).clamp(max=tables.shape[1] - 1)
         kv_slots = tables[seqs][:, blocks] * block_size + k_pos % block_size
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    sees_all = bool(base_mask.all())
     return StepLayout(n, max_q, max_ctx, to(q_pos), to(k_pos), to(q_index), to(token_index),
-                      to(kv_slots), to(base_mask), to(out_rows))  # fmt: skip
+                      to(kv_slots), to(base_mask), to(out_rows), sees_all)  # fmt: skip
 
 
 class TorchBatchedBackend(AttentionBackend):
@@ -159,17 +184,18 @@ class TorchBatchedBackend(AttentionBackend):
 
     def __init__(self):
         self._reference = TorchRefBackend()
-        # the last step's layouts and the metadata they were built from (kept alive, so that
-        # the identity check cannot match a new object at a reused address)
-        self._layouts: tuple[AttentionMetadata, list[StepLayout]] | None = None
+        # the last step's layouts, the metadata they were built from (kept alive, so that the
+        # identity check cannot match a new object at a reused address) and their ``exact``
+        self._layouts: tuple[AttentionMetadata, bool, list[StepLayout]] | None = None
 
     def release(self) -> None:
         self._layouts = None
 
-    def layouts(self, meta: AttentionMetadata, block_size: int | None, device) -> list[StepLayout]:
-        if self._layouts is None or self._layouts[0] is not meta:
-            self._layouts = (meta, build_layouts(meta, block_size, device))
-        return self._layouts[1]
+    def layouts(self, meta: AttentionMetadata, block_size: int | None, device,
+                exact: bool = False) -> list[StepLayout]:  # fmt: skip
+        if self._layouts is None or self._layouts[0] is not meta or self._layouts[1] != exact:
+            self._layouts = (meta, exact, build_layouts(meta, block_size, device, exact))
+        return self._layouts[2]
 
     def forward(
         self,
@@ -191,14 +217,18 @@ class TorchBatchedBackend(AttentionBackend):
             store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if not has_cache:
             _check_uncached(meta)
-        lays = self.layouts(meta, k_cache.shape[1] if has_cache else None, q.device)
+        exact = torch.is_autocast_enabled(q.device.type)  # SDPA in bf16: module docstring
+        lays = self.layouts(meta, k_cache.shape[1] if has_cache else None, q.device, exact)
         k_src = k_cache if has_cache else k  # [.., Hkv, D]: cache slots, or the step's rows
         v_src = v_cache if has_cache else v
         if len(lays) == 1 and lays[0].out_rows is None:
             return self._attend(lays[0], q, k_src, v_src, spec, sinks)
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [T, H, Dv]
+        out = None  # [T, H, Dv], in the groups' output dtype (bf16 under autocast)
         for lay in lays:
-            out[lay.out_rows] = self._attend(lay, q, k_src, v_src, spec, sinks)
+            o = self._attend(lay, q, k_src, v_src, spec, sinks)
+            if out is None:
+                out = o.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            out[lay.out_rows] = o
         return out
 
     @staticmethod
@@ -224,6 +254,10 @@ class TorchBatchedBackend(AttentionBackend):
         if plain and q.dtype == torch.float32:
             # [N, 1, g*mq, Lk] (a decode's one row broadcasts over the g heads)
             m = mask[:, None] if g == 1 or mq == 1 else mask.repeat(1, g, 1)[:, None]
+            if lay.sees_all:  # decode over equal contexts (``exact``): stock's decode keys
+                m, w = None, spec.sliding_window
+                if w is not None and lk > w:  # stock's sliding cache holds the last w keys
+                    keys, vals = keys[:, :, -w:], vals[:, :, -w:]
             o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=m, scale=spec.scale)
         else:
             o = _attend_modified(qg, keys, vals, mask, lay, spec, sinks)

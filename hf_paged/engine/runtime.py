@@ -12,6 +12,7 @@ import torch
 
 from hf_paged.config import EngineConfig
 from hf_paged.layers.rotary import length_dependent_limit
+from hf_paged.models.forward_wrappers import instance_autocast
 from hf_paged.models.generic.support import checkpoint_class_reason
 from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.registry import resolve_model_class
@@ -44,6 +45,10 @@ class RuntimeInfo:
     # that encode a vision-language model's images for this engine share it; set by LLMEngine
     encoder_cache: object | None = None
     lora: object | None = None  # ``LoraSpec`` when the engine builds LoRA slots, else None
+    # the autocast the in-memory model's forward runs under (accelerate's bf16 mixed precision),
+    # under which every rank runs the engine's forward; None: the weights' dtype
+    # (``models/autocast.py``)
+    autocast: object | None = None
 
     @property
     def mrope(self) -> bool:
@@ -182,13 +187,21 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
     from hf_paged.models.peft import is_peft_model, unwrap
 
     lora = lora_spec(model, config)  # before unwrapping: a PeftModel's adapters decide it
+    autocast = None
     if is_peft_model(model):
         check_servable(model, None)
         model = unwrap(model)
     if isinstance(model, PreTrainedModel):
         hf_config = _served_config(model)
+        autocast = instance_autocast(model)  # generate calls the HF model's forward, not PEFT's
         gen_config = getattr(model, "generation_config", None)
         device = _resolve_device(config.device, model.device)
+        if autocast is not None and not device.startswith(autocast.device_type):
+            raise ValueError(
+                f"device={device!r} is not allowed for this model: its forward runs under "
+                f"{autocast.describe()}, which the engine reproduces on that device only; "
+                f"leave device unset (the model's) or set device={autocast.device_type!r}"
+            )
         dtype = _resolve_dtype(config.dtype, _compute_dtype(model), device)
         path, tokenizer = None, None
     elif isinstance(model, (str, os.PathLike)):
@@ -236,6 +249,7 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
         model_path=path,
         config=config,
         lora=lora,
+        autocast=autocast,
     )
 
 

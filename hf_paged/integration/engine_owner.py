@@ -8,7 +8,9 @@ call it asks the model's ``WeightWatch`` (``models/weight_watch.py``) what chang
 engine read the weights: values changed in place (any optimizer, ``load_state_dict``, ``copy_``) are copied
 again into the engine's own tensors (``LLMEngine.refresh_weights``: no rebuild, the KV cache
 stays, the prefix cache is dropped); a replaced parameter or a new adapter state rebuilds it
-(its shared tensors are the old storage), as does an engine that can't refresh. ``hold`` gives the
+(its shared tensors are the old storage), as does an engine that can't refresh, and so does a
+new autocast around the model's forward (a trainer's mixed precision set after the engine was
+built: the engine's runners run under the autocast they were built with). ``hold`` gives the
 owner to one caller for the length of a ``with`` block: other threads wait, and the same thread
 asking again gets the "reentrant" refusal (its requests are in the engine already).
 
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterator
 from hf_paged.config import EngineConfig
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.models import peft
+from hf_paged.models.forward_wrappers import instance_autocast
 from hf_paged.models.weight_watch import WeightWatch
 from hf_paged.refusal import Refusal
 
@@ -110,6 +113,8 @@ class EngineOwner:
             return self.engine
         elif self._watch.layout_changed(model):
             why = "the model's parameters were replaced or its adapters changed"
+        elif (autocast := _autocast_change(self.engine, model)) is not None:
+            why = autocast
         else:
             why = self._refresh(model)
             if why is None:
@@ -132,6 +137,9 @@ class EngineOwner:
                 f"{k}={getattr(rt, k)}" for k in ("max_model_len", "num_kv_blocks", "device")
                 if hasattr(rt, k)
             )  # fmt: skip
+            autocast = getattr(rt, "autocast", None)
+            if autocast is not None:  # the model's mixed precision, which the engine runs under
+                facts += f", under {autocast.describe()}"
             logger.info("hf_paged: engine ready in %.1f s (%s)", time.perf_counter() - start, facts)
         return self.engine
 
@@ -244,6 +252,19 @@ def give_back_for_stock(model) -> bool:
     Nothing happens for a model that never had one. Returns True when one was closed."""
     owner = existing_owner(model)
     return owner is not None and owner.give_back_for_stock()
+
+
+def _autocast_change(engine, model) -> str | None:
+    """What changed in the autocast around ``model``'s forward since ``engine`` was built (the
+    engine runs its forward under the one it was built with: ``models/autocast.py``), or None."""
+    runtime = getattr(engine, "runtime", None)
+    if runtime is None:
+        return None
+    built, now = getattr(runtime, "autocast", None), instance_autocast(model)
+    if built == now:
+        return None
+    name = lambda s: "none" if s is None else s.describe()  # noqa: E731
+    return f"the model's mixed precision changed: {name(built)} -> {name(now)}"
 
 
 def _config_change(old: EngineConfig, new: EngineConfig) -> str:

@@ -1,7 +1,8 @@
 """The batched torch backend against the torch reference (its oracle) on the same paged caches:
 prefill, prefill over a cached prefix, decode and mixed steps; prompts of length 1; contexts that
 end on and straddle block boundaries; GQA, sliding windows, softcap, ALiBi, sinks, V head dim !=
-K head dim; fp32 and bf16; and no cache at all (a profile pass)."""
+K head dim; fp32 and bf16; and no cache at all (a profile pass). Under bf16 autocast, each
+sequence's output is bit for bit SDPA over its own keys (stock's call for that prompt alone)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,61 @@ def test_bidirectional_ranges_are_attended_as_the_reference_does():
     meta.bidirectional_ranges = None
     causal = TorchRefBackend().forward(*new, caches[0], caches[1], meta, spec, kv_stored=True)
     assert not torch.allclose(causal[2:6], want[2:6], atol=1e-3)  # the ranges matter here
+
+
+def _alone(q, k, v, spec, decode: bool):
+    """SDPA over one sequence's own keys, as stock calls it: q [L, H, D], k/v [ctx, Hkv, D];
+    prefill causal (windowed by a mask), decode over the window's last keys with no mask."""
+    import torch.nn.functional as F
+
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]
+    w = spec.sliding_window
+    if decode:
+        if w is not None:
+            k, v = k[:, :, -w:], v[:, :, -w:]
+        o = F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=True)
+    elif w is None:
+        o = F.scaled_dot_product_attention(q, k, v, scale=spec.scale, is_causal=True,
+                                           enable_gqa=True)  # fmt: skip
+    else:
+        pos = torch.arange(k.shape[2])
+        mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < w)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale,
+                                           enable_gqa=True)  # fmt: skip
+    return o[0].transpose(0, 1)  # [L, H, Dv]
+
+
+@pytest.mark.parametrize("name", ["gqa3", "gqa_window"])
+def test_under_bf16_autocast_each_sequence_attends_as_alone(name):
+    """Under bf16 autocast SDPA's CPU kernel rounds by how many keys a call holds: the backend
+    groups a step's sequences by equal lengths, so every sequence's output is bit for bit what
+    SDPA over its own keys gives (stock's call for that prompt alone); prompts of length 1,
+    contexts ending on and straddling blocks, then a decode step at those lengths."""
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(3)
+    # long enough that padding the keys to the longest moves some outputs (it did, here)
+    lens = [1, 4, 5, 13, 22, 25, 43, 55, 79, 124, 5]
+    max_blocks = 32
+    seqs = _tensors(spec, [n + 1 for n in lens], torch.float32, g)
+    seqs = [(q, k, v.bfloat16().float()) for q, k, v in seqs]  # v as a bf16 projection gives it
+    kc = torch.zeros(len(lens) * max_blocks, BLOCK, spec.num_kv_heads, spec.head_dim)
+    vc = torch.zeros(len(lens) * max_blocks, BLOCK, spec.num_kv_heads, spec.v_head_dim)
+    backend = TorchBatchedBackend()
+    for decode in (False, True):
+        q_lens = [1] * len(lens) if decode else lens
+        ends = [n + 1 for n in lens] if decode else lens
+        meta, _ = build_metadata(q_lens, ends, BLOCK, max_blocks)
+        new = [torch.cat([s[j][e - n : e] for s, n, e in zip(seqs, q_lens, ends)])
+               for j in range(3)]  # fmt: skip
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = backend.forward(*new, kc, vc, meta, spec)  # [T, H, Dv]
+            assert got.dtype == torch.bfloat16
+            starts = [sum(q_lens[:i]) for i in range(len(lens))]
+            for i, (s, n, e) in enumerate(zip(seqs, q_lens, ends)):
+                want = _alone(s[0][e - n : e], s[1][:e], s[2][:e], spec, decode)
+                assert torch.equal(got[starts[i] : starts[i] + n], want), (decode, i)
+
+
+def test_exact_groups_are_equal_query_and_context_lengths():
+    assert torch_batched.group_exact([3, 1, 3, 1, 3], [3, 9, 3, 9, 5]) == [[0, 2], [1, 3], [4]]
+    assert torch_batched.group_exact([1] * 3, [7, 7, 7]) == [[0, 1, 2]]  # GRPO's copies: one

@@ -1,8 +1,8 @@
 """Forwards set on the model instance by trainers: TRL's ``add_fused_lm_head`` (and
-accelerate's fp32 output cast around it) is served paged and equals stock; accelerate's
-mixed-precision autocast falls back by name (``autocast``) with stock's output under the same
-wrapper; a wrapper that changes outputs falls back as ``patched_forward``, also when TRL's
-wrapper sits around it."""
+accelerate's fp32 output cast around it) is served paged and equals stock; so is accelerate's
+bf16 autocast around them, the engine under the same autocast (tests/models/test_autocast.py:
+its numerics and the autocasts that fall back); a wrapper that changes outputs falls back as
+``patched_forward``, also when TRL's wrapper sits around it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from hf_paged import PagedFallbackWarning
 from hf_paged.integration import dispatch
 from hf_paged.integration.fallback import reset_fallback_warnings
-from hf_paged.models.forward_wrappers import instance_forward_refusal
+from hf_paged.models.autocast import AutocastState
+from hf_paged.models.forward_wrappers import instance_autocast, instance_forward_refusal
 from hf_paged.testing import SMALL_ENGINE, build_hf_model
 
 trl_utils = pytest.importorskip("trl.trainer.utils")
@@ -73,15 +74,23 @@ def test_trl_fused_lm_head_is_served_paged(mixed_precision):
     assert out.log_probs.shape == (IDS.shape[0], IDS.shape[1] - 1)  # shifted labels
 
 
-def test_bf16_autocast_falls_back_by_name_with_stocks_output():
+def test_trl_fused_lm_head_under_bf16_autocast_is_served_paged():
+    """GRPO's model at TRL's defaults: TRL's wrapper inside accelerate's bf16 autocast and fp32
+    output cast. Served, the engine under the same autocast (tests/models/test_autocast.py holds
+    it to stock); each row equals stock's for that row alone."""
     model = build_hf_model("llama", seed=0)
     trl_utils.add_fused_lm_head(model)
     _accelerate_mixed_precision(model)
-    refusal = instance_forward_refusal(model)
-    assert refusal.reason == "autocast" and "bf16=False" in refusal.detail
-    paged, stock, msgs = _paged_and_stock(model)
-    assert len(msgs) == 1 and "[autocast]" in msgs[0] and "torch.bfloat16" in msgs[0]
-    _assert_equal(paged, stock)
+    assert instance_forward_refusal(model) is None
+    assert instance_autocast(model) == AutocastState("cpu", torch.bfloat16)
+    paged, _, msgs = _paged_and_stock(model)
+    assert msgs == []
+    for row in range(IDS.shape[0]):
+        ids = IDS[row : row + 1, (IDS[row] != 0).nonzero()[0, 0] :]  # the row without padding
+        alone = model.generate(**{**KWARGS, "input_ids": ids,
+                                  "attention_mask": torch.ones_like(ids)}, backend="hf")  # fmt: skip
+        new = paged.sequences[row, IDS.shape[1] :]
+        assert torch.equal(new, alone.sequences[0, ids.shape[1] :])
 
 
 @pytest.mark.parametrize("trl_outside", [False, True])

@@ -37,6 +37,7 @@ from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.adapters import LoraManager
+from hf_paged.models.autocast import under
 from hf_paged.models.loader import BaseWeights
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
@@ -58,6 +59,7 @@ class ModelRunner:
         # the KV cache's dtype: the model's, or float8_e4m3fn (kv_cache_dtype="fp8")
         self.kv_dtype = torch.float8_e4m3fn if spec.config.kv_cache_dtype != "auto" else spec.dtype
         self.max_model_len = spec.max_model_len
+        self.autocast = spec.autocast  # forwards and heads run under it (``models/autocast.py``)
 
         self.kv_cache: KVCache | None = None
         self.state_pool: StatePool | None = None  # recurrent layers' states (``_build``)
@@ -163,8 +165,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup_forward(self, input_ids, positions, meta, logits_idx) -> torch.Tensor | None:
-        hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_idx])
+        with under(self.autocast):
+            hidden = self.model(input_ids, positions, meta)
+            return self._logits(hidden[logits_idx])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The model's ``compute_logits``; float32 under autocast (its head gives bf16)."""
+        logits = self.model.compute_logits(hidden)
+        return logits if self.autocast is None or logits is None else logits.float()
 
     def kv_block_bytes(self) -> int:
         """Bytes one block id costs: every layer's K and V (layers may differ)."""
@@ -236,11 +244,12 @@ class ModelRunner:
         """Forward pass -> logits [N_sample, V] on rank 0 (None elsewhere). Decode batches
         replay the smallest captured graph that fits. ``embeds``: the step's prompt-embedding
         rows (``StepInputs.prompt_embeds``), fed instead of the ids' embeddings."""
-        if meta.is_decode and self.graph_runner is not None and self.graph_runner.fits(meta):
-            hidden = self.graph_runner.replay(input_ids, positions, meta)
-        else:
-            hidden = self._forward(input_ids, positions, meta, embeds)
-        return self.model.compute_logits(hidden[logits_indices])
+        with under(self.autocast):
+            if meta.is_decode and self.graph_runner is not None and self.graph_runner.fits(meta):
+                hidden = self.graph_runner.replay(input_ids, positions, meta)
+            else:
+                hidden = self._forward(input_ids, positions, meta, embeds)
+            return self._logits(hidden[logits_indices])
 
     def _forward(self, input_ids, positions, meta, embeds: StepEmbeds | None) -> torch.Tensor:
         if embeds is None:
@@ -252,10 +261,10 @@ class ModelRunner:
                           embeds: StepEmbeds | None = None):  # fmt: skip
         """``run_model`` for a step with prompt-logprob rows (never a decode graph): also
         returns their ``PromptScores`` on rank 0, still on the device (``score_prompt_rows``)."""
-        hidden = self._forward(input_ids, positions, meta, embeds)  # [T, H]
-        logits = self.model.compute_logits(hidden[logits_indices])
-        scores = score_prompt_rows(self.model.compute_logits, hidden, inp.chunks,
-                                   meta.cu_seqlens_q_cpu)  # fmt: skip
+        with under(self.autocast):
+            hidden = self._forward(input_ids, positions, meta, embeds)  # [T, H]
+            logits = self._logits(hidden[logits_indices])
+            scores = score_prompt_rows(self._logits, hidden, inp.chunks, meta.cu_seqlens_q_cpu)
         return logits, scores
 
     def run(

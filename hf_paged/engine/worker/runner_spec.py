@@ -25,6 +25,7 @@ class RunnerSpec:
     dtype: torch.dtype
     max_model_len: int
     lora: object | None = None  # ``LoraSpec``: LoRA slots to build (``models/adapters``)
+    autocast: object | None = None  # ``AutocastState`` the forward runs under (models/autocast)
     # every HF_PAGED_* switch as rank 0 read it (hf_paged/envs.py); each rank applies it
     envs: dict = field(default_factory=hf_envs.snapshot)
 
@@ -39,6 +40,7 @@ class RunnerSpec:
             dtype=runtime.dtype,
             max_model_len=runtime.max_model_len,
             lora=runtime.lora,
+            autocast=runtime.autocast,
         )
 
 
