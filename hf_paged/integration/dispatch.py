@@ -34,7 +34,8 @@ import threading
 
 from transformers.generation.utils import GenerationMixin
 
-from hf_paged import envs, timings
+from hf_paged import envs
+from hf_paged.timing import spans
 from hf_paged.config import EngineConfig
 from hf_paged.integration import engine_owner, hooks, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback, call_stock, in_stock, warn_fallback
@@ -199,10 +200,10 @@ def _make_wrapper(original):
             paged_config = as_engine_config(paged_config)  # bad input raises on any path
         if backend is None:
             backend = "hf" if in_stock() else get_default_backend()
-        with timings.span("client.requests"):  # a generate call is a request phase of its own
+        with spans.span("client.requests"):  # a generate call is a request phase of its own
             if backend != "paged":
                 engine_owner.give_back_for_stock(self)
-                with timings.span("model.stock"):
+                with spans.span("model.stock"):
                     return call_stock(original, self, args, kwargs)
             return _generate_paged(original, signature, self, args, kwargs, paged_config)
 
