@@ -365,6 +365,6 @@ def _run_entry(run: Run) -> dict:
 
 
 def _environment() -> dict:
-    from hf_paged.benchmarks.workloads import environment
+    from hf_paged.benchmarks.run_record import environment
 
     return environment()
