@@ -35,15 +35,15 @@ import threading
 from transformers.generation.utils import GenerationMixin
 
 from hf_paged import envs
-from hf_paged.timing import spans
 from hf_paged.config import EngineConfig
 from hf_paged.integration import engine_owner, hooks, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback, call_stock, in_stock, warn_fallback
 from hf_paged.refusal import Refusal
+from hf_paged.timing import spans
 
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
-# keywords the dispatcher checks (servable.precheck) or stock alone reads: never forwarded
+# keywords the dispatcher checks (servable.generate_refusal) or stock alone reads: never forwarded
 NOT_FORWARDED = (
     "custom_generate", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask",
     "trust_remote_code",
@@ -215,7 +215,7 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
     bound = signature.bind(model, *args, **kwargs)
     named = {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
     extra = dict(bound.arguments.get("kwargs", {}))
-    fb = servable.precheck(model, named, extra)
+    fb = servable.generate_refusal(model, named, extra)
     if fb is None:
         forwarded = {k: v for k, v in {**named, **extra}.items() if k not in NOT_FORWARDED}
         try:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.timing import spans
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.worker.model_runner import ModelRunner
 from hf_paged.engine.worker.runner_output import RunnerOutput
 from hf_paged.engine.worker.runner_spec import RunnerSpec
+from hf_paged.timing import spans
 
 
 class LocalExecutor:

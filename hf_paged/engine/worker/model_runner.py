@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from hf_paged import envs as hf_envs
-from hf_paged.timing import spans
 from hf_paged.attention import select_backend
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.distributed.communicator import Communicator
@@ -33,7 +32,6 @@ from hf_paged.engine.worker.runner_memory import RunnerMemory
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
 from hf_paged.engine.worker.runner_spec import RunnerSpec, model_name, refusals_named
 from hf_paged.engine.worker.step_inputs import StepEmbeds, StepInputs
-from hf_paged.timing.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.adapters import LoraManager
@@ -41,6 +39,8 @@ from hf_paged.models.autocast import under
 from hf_paged.models.loader import BaseWeights
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
+from hf_paged.timing import spans
+from hf_paged.timing.step_profile import StepProfile
 
 _engine_numbers = itertools.count(1)  # names this process's engines in memory errors
 

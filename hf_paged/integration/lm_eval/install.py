@@ -33,9 +33,9 @@ import importlib.util
 import sys
 import threading
 
-from hf_paged.timing import spans
 from hf_paged.integration import hooks
 from hf_paged.refusal import Refusal
+from hf_paged.timing import spans
 
 # The request adapters (and through them torch, transformers and the engine) load at the first
 # request, not here: ``hf-paged run`` installs this patch before the program starts, and a

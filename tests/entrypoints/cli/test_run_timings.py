@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-from hf_paged.timing.breakdown import phases, table
 from hf_paged.testing import save_demo_model
+from hf_paged.timing.breakdown import phases, table
 from tests.entrypoints.cli.procs import finish, start_python
 
 SCRIPT = textwrap.dedent(
