@@ -23,55 +23,39 @@ import torch
 from hf_paged.benchmarks.run_record import log
 
 
-def model_config(arch: str):
-    """The transformers config of an architecture (no weights, nothing downloaded)."""
-    from transformers import LlamaConfig, Qwen3Config
+# arch -> (config class, hidden, layers, attention heads, KV heads, head_dim, intermediate,
+#          vocab, tied embeddings, max positions, RMSNorm eps, RoPE theta); RoPE is plain
+ARCHS: dict[str, tuple] = {
+    "qwen3-0.6b": ("Qwen3Config", 1024, 28, 16, 8, 128, 3072, 151936, True, 40960, 1e-6, 1e6),
+    "llama3-8b": ("LlamaConfig", 4096, 32, 32, 8, 128, 14336, 128256, False, 8192, 1e-5, 5e5),
+    # Llama-3.2-1B's shape (the 8B's vocabulary, tied): a draft for the 8B
+    "llama3.2-1b": ("LlamaConfig", 2048, 16, 32, 8, 64, 8192, 128256, True, 8192, 1e-5, 5e5),
+    # a 1-layer llama with tiny's vocabulary: a draft for CPU smoke runs
+    "tiny-llama": ("LlamaConfig", 64, 1, 4, 2, 16, 128, 512, True, 256, 1e-6, 1e4),
+    "tiny": ("Qwen3Config", 64, 2, 4, 2, 16, 128, 512, True, 256, 1e-6, 1e4),  # qk-norm, GQA
+}
+# what a config class needs besides the table's numbers
+_CLASS_KEYS = {"Qwen3Config": {"use_sliding_window": False}, "LlamaConfig": {"mlp_bias": False}}
 
-    common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0, attention_bias=False)
-    if arch == "qwen3-0.6b":
-        return Qwen3Config(
-            hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-            tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            hidden_act="silu", use_sliding_window=False, **common,
-        )  # fmt: skip
-    if arch == "llama3-8b":
-        return LlamaConfig(
-            hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-            tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
-            hidden_act="silu", mlp_bias=False, **common,
-        )  # fmt: skip
-    if arch == "llama3.2-1b":  # Llama-3.2-1B's shape (the 8B's vocabulary, tied), plain RoPE
-        return LlamaConfig(
-            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
-            tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
-            hidden_act="silu", mlp_bias=False, **common,
-        )  # fmt: skip
-    if arch == "tiny-llama":  # a 1-layer llama with tiny's vocabulary (a draft for CPU smoke runs)
-        return LlamaConfig(
-            hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
-            max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            hidden_act="silu", mlp_bias=False, **common,
-        )  # fmt: skip
-    if arch == "tiny":  # Qwen3-shaped (qk-norm, GQA, tied), 2 layers
-        return Qwen3Config(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
-            max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            hidden_act="silu", use_sliding_window=False, **common,
-        )  # fmt: skip
-    raise ValueError(
-        f"arch={arch!r} is not allowed: must be qwen3-0.6b, llama3-8b, llama3.2-1b, tiny or "
-        "tiny-llama"
+
+def model_config(arch: str):
+    """The transformers config of an architecture of ``ARCHS`` (no weights, nothing
+    downloaded)."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not allowed: must be one of {sorted(ARCHS)}")
+    cls, hidden, layers, heads, kv_heads, head_dim, inter, vocab, tied, positions, eps, theta = (
+        ARCHS[arch]
     )
+    return getattr(transformers, cls)(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+        vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=positions,
+        rms_norm_eps=eps, rope_parameters={"rope_type": "default", "rope_theta": theta},
+        hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        attention_bias=False, **_CLASS_KEYS[cls],
+    )  # fmt: skip
 
 
 def build_random_model(

@@ -34,6 +34,17 @@ def run_interpreter_cases(script: str, timeout: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class CaseResults(dict):
+    """The child's ``{case: float or traceback}``; reading a case that raised fails the test
+    with its traceback, so a test compares floats only."""
+
+    def __getitem__(self, name: str) -> float:
+        value = super().__getitem__(name)
+        if isinstance(value, str):
+            pytest.fail(f"case {name!r} raised under the interpreter:\n{value}")
+        return value
+
+
 def interpret_main(cases: dict) -> None:
     """The child side: run every ``{name: (fn, args)}`` case, print ``{name: float or
     traceback}`` as JSON (one failing case does not hide the others)."""
