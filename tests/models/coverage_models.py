@@ -17,16 +17,15 @@ recurrent layers stock's reference is each prompt run alone.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from hf_paged.testing.any_model import HIDDEN, VOCAB, build_tiny
+from tests.models.coverage_report import ArchResult, paged_run, short, summary, table_rows
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (1, 4, 5, 9)  # 1 token, a block boundary, one past it, two blocks + 1
@@ -35,15 +34,6 @@ MAX_NEW_TOKENS = 16
 # 14 * 19 = 266 tokens, longer than the tiny configs' max_position_embeddings (256), as a step
 # of many prompts is for real models (BigBird sliced a buffer by the step's length)
 WIDE_COPIES = 14
-
-
-@dataclass
-class ArchResult:
-    model_type: str
-    class_name: str
-    status: str  # served | fallback | failure | not_text | no_build
-    detail: str = ""
-    seconds: float = 0.0
 
 
 def causal_lm_entries() -> list[tuple[str, str]]:
@@ -101,7 +91,7 @@ def run_arch(
     (``WIDE_COPIES``) unless ``wide`` is False."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from hf_paged import PagedFallbackWarning, release
+    from hf_paged import PagedFallbackWarning
     from hf_paged.integration.fallback import reset_fallback_warnings
 
     t0 = time.perf_counter()
@@ -125,14 +115,14 @@ def run_arch(
                 else _rows_alone(model, ids, mask)
             )
     except Exception as e:  # noqa: BLE001  recorded, not counted
-        res.detail = f"{type(e).__name__}: {_short(e)}"
+        res.detail = f"{type(e).__name__}: {short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
     reset_fallback_warnings()
     # no prefix caching: the wide step's copies of one prompt each compute all their tokens
     cfg = dict(kv_block_size=block_size, model_impl=model_impl, max_model_len=64,
                num_kv_blocks=64 * WIDE_COPIES, enable_prefix_caching=False, device=device)  # fmt: skip
-    try:
+    with paged_run(res, model, t0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = _generate(model, ids, mask, backend="paged", paged_config=cfg)
@@ -143,7 +133,7 @@ def run_arch(
                                  paged_config=cfg)  # fmt: skip
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
-            res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
+            res.status, res.detail = "fallback", short(str(fell[0].message), 300)
         elif not _engine_ran(model):
             res.status, res.detail = "failure", "no fallback warning, but no engine was built"
         elif not torch.equal(out, ref):
@@ -153,11 +143,6 @@ def run_arch(
             res.detail = f"wide step ({k} copies): {_first_diff(ref.repeat(k, 1), wide_out)}"
         else:
             res.status, res.detail = "served", "identical"
-    except Exception as e:  # noqa: BLE001  a paged call must never raise here
-        res.status, res.detail = "failure", f"{type(e).__name__}: {_short(e)}"
-    finally:
-        release(model)
-    res.seconds = time.perf_counter() - t0
     return res
 
 
@@ -187,11 +172,6 @@ def _engine_ran(model) -> bool:
     return owner is not None and owner.engine is not None
 
 
-def _short(e, n: int = 160) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
 def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
     if ref.shape != out.shape:
         return f"shape {tuple(out.shape)} != stock {tuple(ref.shape)}"
@@ -208,16 +188,6 @@ def run_all(
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
     return [run_arch(mt, cls, model_impl, device) for mt, cls in entries]
-
-
-def summary(results: list[ArchResult]) -> dict[str, int]:
-    counts = {s: 0 for s in ("served", "fallback", "failure", "not_text", "no_build")}
-    for r in results:
-        counts[r.status] += 1
-    built = counts["served"] + counts["fallback"] + counts["failure"]
-    counts["built"] = built
-    counts["served_pct"] = math.floor(100 * counts["served"] / built) if built else 0
-    return counts
 
 
 def markdown_table(
@@ -240,17 +210,8 @@ def markdown_table(
         f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {block_size}{wide_text}; transformers "
         f"{_tf_version()}.",
         "",
-        "| model_type | class | result | detail |",
-        "|---|---|---|---|",
+        *table_rows(results),
     ]
-    order = {"served": 0, "failure": 1, "fallback": 2, "not_text": 3, "no_build": 4}
-    label = {
-        "served": "served", "fallback": "fallback", "failure": "**FAILURE**",
-        "not_text": "not counted: not a decoder-only text model", "no_build": "not counted: does not build tiny",
-    }  # fmt: skip
-    for r in sorted(results, key=lambda r: (order[r.status], r.model_type)):
-        detail = r.detail.replace("|", "\\|")
-        lines.append(f"| {r.model_type} | {r.class_name} | {label[r.status]} | {detail} |")
     return "\n".join(lines) + "\n"
 
 
