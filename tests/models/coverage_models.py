@@ -25,7 +25,15 @@ import warnings
 import torch
 
 from hf_paged.testing.any_model import HIDDEN, VOCAB, build_tiny
-from tests.models.coverage_report import ArchResult, paged_run, short, summary, table_rows
+from tests.models.coverage_report import (
+    ArchResult,
+    paged_run,
+    print_row,
+    print_table,
+    short,
+    summary,
+    table_rows,
+)
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (1, 4, 5, 9)  # 1 token, a block boundary, one past it, two blocks + 1
@@ -240,13 +248,8 @@ def main(argv: list[str]) -> None:
     for mt, cls in entries:
         r = run_arch(mt, cls, device=args.device, block_size=args.block_size, wide=not args.no_wide)
         results.append(r)
-        print(f"ROW {r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    table = markdown_table(results, args.block_size, not args.no_wide)
-    print(table)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(table)
+        print_row(r)
+    print_table(markdown_table(results, args.block_size, not args.no_wide), args.write)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -80,3 +81,17 @@ def run_and_print(run_all, markdown_table, folder) -> list[ArchResult]:
     print("\n" + table)
     (folder / "coverage.md").write_text(table)
     return results
+
+
+def print_row(r: ArchResult) -> None:
+    """One architecture's progress line on stderr (the command line runs)."""
+    print(f"ROW {r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def print_table(table: str, path: str | None) -> None:
+    """The table on stdout, and into ``path`` when given."""
+    print(table)
+    if path:
+        with open(path, "w") as f:
+            f.write(table)

@@ -27,7 +27,15 @@ import warnings
 
 import torch
 
-from tests.models.coverage_report import ArchResult, paged_run, short, summary, table_rows
+from tests.models.coverage_report import (
+    ArchResult,
+    paged_run,
+    print_row,
+    print_table,
+    short,
+    summary,
+    table_rows,
+)
 
 NEW = 6
 ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=160)
@@ -185,13 +193,8 @@ def main(argv: list[str]) -> None:
             continue
         r = run_arch(mt, cls)
         results.append(r)
-        print(f"ROW {r.model_type:28s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    table = markdown_table(results)
-    print(table)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(table)
+        print_row(r)
+    print_table(markdown_table(results), args.write)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.models.vision.stock_tower import cat_padded
 from hf_paged.testing.hybrid_configs import HYBRID_TINY
 from hf_paged.testing.models import randomize_
 
@@ -178,17 +179,7 @@ def batch(model, rows: list[list]) -> dict:
         return out
     for key in flat[0].tensors:
         parts = [img.tensors[key] for img in flat]
-        out[key] = _pad_cat(parts)
-    return out
-
-
-def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = parts[0].new_zeros(sum(p.shape[0] for p in parts), *shape)
-    at = 0
-    for p in parts:
-        out[(slice(at, at + p.shape[0]), *(slice(0, s) for s in p.shape[1:]))] = p
-        at += p.shape[0]
+        out[key] = cat_padded(parts)  # the processor's own batch padding
     return out
 
 
