@@ -22,7 +22,6 @@ import torch
 
 from hf_paged.benchmarks.run_record import log
 
-
 # arch -> (config class, hidden, layers, attention heads, KV heads, head_dim, intermediate,
 #          vocab, tied embeddings, max positions, RMSNorm eps, RoPE theta); RoPE is plain
 ARCHS: dict[str, tuple] = {
