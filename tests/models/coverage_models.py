@@ -25,15 +25,7 @@ import warnings
 import torch
 
 from hf_paged.testing.any_model import HIDDEN, VOCAB, build_tiny
-from tests.models.coverage_report import (
-    ArchResult,
-    paged_run,
-    print_row,
-    print_table,
-    short,
-    summary,
-    table_rows,
-)
+from tests.models import coverage_report as report
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (1, 4, 5, 9)  # 1 token, a block boundary, one past it, two blocks + 1
@@ -92,7 +84,7 @@ def run_arch(
     device: str = "cpu",
     block_size: int = BLOCK_SIZE,
     wide: bool = True,
-) -> ArchResult:
+) -> report.ArchResult:
     """Build, save, reload, and compare paged with stock greedy for one architecture (model,
     prompts and engine on ``device``; KV blocks of ``block_size``: the Triton kernels need at
     least 8, so CUDA runs at 4 use the torch reference attention); then the wide step
@@ -103,7 +95,7 @@ def run_arch(
     from hf_paged.integration.fallback import reset_fallback_warnings
 
     t0 = time.perf_counter()
-    res = ArchResult(model_type, class_name, "no_build")
+    res = report.ArchResult(model_type, class_name, "no_build")
     try:
         config = CONFIG_MAPPING[model_type]()
         why = not_text_reason(config)
@@ -123,14 +115,14 @@ def run_arch(
                 else _rows_alone(model, ids, mask)
             )
     except Exception as e:  # noqa: BLE001  recorded, not counted
-        res.detail = f"{type(e).__name__}: {short(e)}"
+        res.detail = f"{type(e).__name__}: {report.short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
     reset_fallback_warnings()
     # no prefix caching: the wide step's copies of one prompt each compute all their tokens
     cfg = dict(kv_block_size=block_size, model_impl=model_impl, max_model_len=64,
                num_kv_blocks=64 * WIDE_COPIES, enable_prefix_caching=False, device=device)  # fmt: skip
-    with paged_run(res, model, t0):
+    with report.paged_run(res, model, t0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = _generate(model, ids, mask, backend="paged", paged_config=cfg)
@@ -141,7 +133,7 @@ def run_arch(
                                  paged_config=cfg)  # fmt: skip
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
-            res.status, res.detail = "fallback", short(str(fell[0].message), 300)
+            res.status, res.detail = "fallback", report.short(str(fell[0].message), 300)
         elif not _engine_ran(model):
             res.status, res.detail = "failure", "no fallback warning, but no engine was built"
         elif not torch.equal(out, ref):
@@ -191,7 +183,7 @@ def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
 
 def run_all(
     model_types: list[str] | None = None, model_impl: str = "auto", device: str = "cpu"
-) -> list[ArchResult]:
+) -> list[report.ArchResult]:
     entries = causal_lm_entries()
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
@@ -199,7 +191,7 @@ def run_all(
 
 
 def markdown_table(
-    results: list[ArchResult], block_size: int = BLOCK_SIZE, wide: bool = True
+    results: list[report.ArchResult], block_size: int = BLOCK_SIZE, wide: bool = True
 ) -> str:
     """The coverage table: decoder-only text architectures first, then the ones not counted."""
     wide_text = (
@@ -208,7 +200,7 @@ def markdown_table(
         if wide
         else ""
     )
-    c = summary(results)
+    c = report.summary(results)
     lines = [
         f"{c['served']} of {c['built']} decoder-only text architectures that build tiny are "
         f"served ({c['served_pct']}%), {c['fallback']} fall back with a named reason, "
@@ -218,7 +210,7 @@ def markdown_table(
         f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {block_size}{wide_text}; transformers "
         f"{_tf_version()}.",
         "",
-        *table_rows(results),
+        *report.table_rows(results),
     ]
     return "\n".join(lines) + "\n"
 
@@ -231,7 +223,7 @@ def _tf_version() -> str:
 
 def main(argv: list[str]) -> None:
     """``python -m tests.models.coverage_models [--write F] [--device D] [model_type ...]``: the
-    table on stdout (and in F); each row also goes to stderr as it finishes, so a run cut short
+    table on stdout (and in F); each row also goes to stderr as it finishes, so a run cut report.short
     by a time limit still shows what it reached."""
     p = argparse.ArgumentParser(prog="python -m tests.models.coverage_models")
     p.add_argument("--write", default=None, help="also write the table to this file")
@@ -248,8 +240,8 @@ def main(argv: list[str]) -> None:
     for mt, cls in entries:
         r = run_arch(mt, cls, device=args.device, block_size=args.block_size, wide=not args.no_wide)
         results.append(r)
-        print_row(r)
-    print_table(markdown_table(results, args.block_size, not args.no_wide), args.write)
+        report.print_row(r)
+    report.print_table(markdown_table(results, args.block_size, not args.no_wide), args.write)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,7 @@ import warnings
 
 import torch
 
-from tests.models.coverage_report import (
-    ArchResult,
-    paged_run,
-    print_row,
-    print_table,
-    short,
-    summary,
-    table_rows,
-)
+from tests.models import coverage_report as report
 
 NEW = 6
 ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=160)
@@ -112,13 +104,13 @@ class _ConfigAs:
         return getattr(self._config, name)
 
 
-def run_arch(model_type: str, class_name: str) -> ArchResult:
+def run_arch(model_type: str, class_name: str) -> report.ArchResult:
     from hf_paged import PagedFallbackWarning
     from hf_paged.integration.fallback import reset_fallback_warnings
     from hf_paged.testing import vlm
 
     t0 = time.perf_counter()
-    res = ArchResult(model_type, class_name, "no_build")
+    res = report.ArchResult(model_type, class_name, "no_build")
     try:
         built = build(model_type)
         model = getattr(built, "_model", built)  # what generate runs on
@@ -127,11 +119,11 @@ def run_arch(model_type: str, class_name: str) -> ArchResult:
         ref = vlm.stock_greedy(built, rows, NEW)
         kw = vlm.batch(built, rows)
     except Exception as e:  # noqa: BLE001  recorded, not counted
-        res.detail = f"{type(e).__name__}: {short(e)}"
+        res.detail = f"{type(e).__name__}: {report.short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
     reset_fallback_warnings()
-    with paged_run(res, model, t0):
+    with report.paged_run(res, model, t0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = model.generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
@@ -146,7 +138,7 @@ def run_arch(model_type: str, class_name: str) -> ArchResult:
                 cramped = out[:, kw["input_ids"].shape[1] :].tolist()
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
-            res.status, res.detail = "fallback", short(str(fell[0].message), 300)
+            res.status, res.detail = "fallback", report.short(str(fell[0].message), 300)
         elif got != ref:
             bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
             res.status, res.detail = "failure", f"tokens differ in rows {bad}"
@@ -158,17 +150,17 @@ def run_arch(model_type: str, class_name: str) -> ArchResult:
     return res
 
 
-def run_all(model_types: list[str] | None = None) -> list[ArchResult]:
+def run_all(model_types: list[str] | None = None) -> list[report.ArchResult]:
     entries = image_text_entries()
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
     return [run_arch(mt, cls) for mt, cls in entries]
 
 
-def markdown_table(results: list[ArchResult]) -> str:
+def markdown_table(results: list[report.ArchResult]) -> str:
     import transformers
 
-    c = summary(results)
+    c = report.summary(results)
     lines = [
         f"Image-text-to-text: {c['served']} of {c['built']} architectures that build tiny are "
         f"served identical, {c['fallback']} fall back with a named reason, {c['failure']} fail, "
@@ -176,7 +168,7 @@ def markdown_table(results: list[ArchResult]) -> str:
         f"layers; vision hidden 32), two images and a text-only row, left padded, {NEW} greedy "
         f"tokens, stock each row alone; transformers {transformers.__version__}.",
         "",
-        *table_rows(results),
+        *report.table_rows(results),
     ]
     return "\n".join(lines) + "\n"
 
@@ -193,8 +185,8 @@ def main(argv: list[str]) -> None:
             continue
         r = run_arch(mt, cls)
         results.append(r)
-        print_row(r)
-    print_table(markdown_table(results), args.write)
+        report.print_row(r)
+    report.print_table(markdown_table(results), args.write)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import warnings
 import pytest
 import torch
 
-from tests.models.coverage_models import causal_lm_entries, markdown_table, run_all, summary
-from tests.models.coverage_report import run_and_print
+from tests.models.coverage_models import causal_lm_entries, markdown_table, run_all
+from tests.models.coverage_report import run_and_print, summary
 
 # ---- on any device --------------------------------------------------------------------------------
 

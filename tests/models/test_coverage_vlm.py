@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.coverage_report import run_and_print
-from tests.models.coverage_vlm import markdown_table, run_all, summary
+from tests.models.coverage_report import run_and_print, summary
+from tests.models.coverage_vlm import markdown_table, run_all
 
 # measured 2026-12-05 on transformers 5.25: 24 served of the 25 that build tiny (78 do not)
 MIN_SERVED = 20
