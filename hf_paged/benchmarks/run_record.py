@@ -41,11 +41,11 @@ def _git(*args: str) -> str | None:
 
 
 def write_record(record: dict, results_dir: str | Path, name: str) -> Path:
-    """Write ``record`` as ``results_dir/{name}_{UTC stamp}.json`` (the folder made if missing)
-    and return the path."""
+    """Write ``record`` as ``results_dir/{name}_{UTC stamp}.json`` (the folder made if missing;
+    a value JSON lacks, a dtype or a path, as its ``str``) and return the path."""
     path = Path(results_dir) / f"{name}_{utc_stamp()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path
 
 
