@@ -5,7 +5,7 @@ Workload B1: 32 prompts of 512 random token ids (< 10000, ``random.Random(0)``, 
 them), ``num_beams=4``, 256 new tokens, greedy beam search with stock's defaults
 (``length_penalty=1.0``, ``early_stopping=False``), no EOS (the configs have none), so every
 beam runs the full 256 steps in both systems. Model: the Llama-3-8B shape with random bf16
-weights (``workloads.build_random_model``).
+weights (``random_models.build_random_model``).
 
 Systems, in this order (stock first: the engine then takes the memory stock freed):
 
@@ -28,24 +28,17 @@ must agree on every row). Writes ``evaluation/results/beams_<stamp>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    environment,
-    free_memory,
-    log,
-    make_requests,
-    mem_str,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.device_memory import free_memory, mem_str, sync
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import environment, log, write_record
+from hf_paged.benchmarks.workloads import make_requests
 
 
 def prompts_tensor(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,10 +176,7 @@ def main(argv=None) -> Path:
         doc["ratio_paged_over_stock"] = rows[1]["tok_per_s"] / rows[0]["tok_per_s"]
         log(f"paged / stock = {doc['ratio_paged_over_stock']:.2f}x; {same}/{stock_out.shape[0]} "
             "returned rows equal stock's")  # fmt: skip
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"beams{'_smoke' if args.smoke else ''}_{utc_stamp()}.json"
-    path.write_text(json.dumps(doc, indent=2))
+    path = write_record(doc, args.out_dir, f"beams{'_smoke' if args.smoke else ''}")
     log(f"wrote {path}")
     return path
 

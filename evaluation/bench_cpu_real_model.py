@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, markdown_table
+from hf_paged.benchmarks.run_record import environment, log, markdown_table
 
 SYSTEMS = ("stock", "generate_paged", "llm", "pipeline_stock", "pipeline_paged")
 

@@ -1,6 +1,6 @@
 """FP8 checkpoints and the fp8 KV cache on one GPU (issue 24's acceptance figures), one command.
 
-Builds the Llama-3-8B architecture with random bf16 weights (``workloads.build_random_model``),
+Builds the Llama-3-8B architecture with random bf16 weights (``random_models.build_random_model``),
 saves it, quantizes it with transformers' own ``FineGrainedFP8Config`` (128 x 128 blocks) while
 loading it back, saves that FP8 checkpoint and the same weights as compressed-tensors
 FP8-dynamic (``fp8_checkpoints.save_compressed_tensors_fp8``), then measures (``--parts``):
@@ -42,19 +42,14 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
 from hf_paged import envs  # noqa: E402
+from hf_paged.benchmarks.device_memory import free_memory
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import environment, log, utc_stamp
 from hf_paged.benchmarks.runners import agreement, run_llm, run_stock  # noqa: E402
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    Workload,
-    build_random_model,
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    utc_stamp,
-)
+from hf_paged.benchmarks.workloads import Workload, get_workload
 from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 from hf_paged.layers.quantization.fp8_checkpoints import (  # noqa: E402
     load_finegrained_fp8,

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp  # noqa: E402
+from hf_paged.benchmarks.run_record import environment, log, utc_stamp
 from hf_paged.kernels import fused_act, fused_norm  # noqa: E402
 from hf_paged.kernels.fp8 import fp8_fused_quant, fp8_paths, fp8_scaled_mm  # noqa: E402
 from hf_paged.kernels.fp8.fp8_gemm import (  # noqa: E402
@@ -266,8 +267,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
-    ap.add_argument("--write-paths", action="store_true",
-                    help="write hf_paged/kernels/fp8/fp8_paths.json (and a copy beside the results)")
+    ap.add_argument(
+        "--write-paths",
+        action="store_true",
+        help="write hf_paged/kernels/fp8/fp8_paths.json (and a copy beside the results)",
+    )
     args = ap.parse_args(argv)
     names = [s for s in args.shapes.split(",") if s]
     bad = sorted(set(names) - set(SHAPES))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from hf_paged.benchmarks.workloads import environment, log  # noqa: E402
+from hf_paged.benchmarks.run_record import environment, log
 from hf_paged.kernels.skinny_gemm import _config, skinny_gemm  # noqa: E402
 
 SHAPES_8B = {  # name: (N, K)

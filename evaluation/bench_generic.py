@@ -7,7 +7,7 @@
   ``--layers`` layers) on W1 prompts: stock ``generate`` (first ``--baseline-requests``) vs
   ``LLM`` on the generic path (all requests). Target: >= 10x.
 
-Random bf16 weights (``workloads.build_random_model``'s init). Results:
+Random bf16 weights (``random_models.build_random_model``'s init). Results:
 evaluation/results/generic_<check>_<UTC>.json.
 
 Usage (GPU): PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_generic.py --check impl
@@ -16,23 +16,16 @@ Usage (GPU): PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_generic.py 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from results_dir import RESULTS_DIR
 
+from hf_paged.benchmarks.device_memory import free_memory, sync
+from hf_paged.benchmarks.random_models import build_random_model, model_config
+from hf_paged.benchmarks.run_record import environment, log, write_record
 from hf_paged.benchmarks.runners import run_llm, run_stock  # noqa: E402
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    model_config,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.workloads import get_workload
 
 _SMOKE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, moe_intermediate_size=32, num_experts=4,
@@ -68,17 +61,10 @@ def shaped_config(arch: str, layers: int, smoke: bool = False):
 
 
 def build(arch: str, layers: int, device, smoke: bool = False):
-    from hf_paged.benchmarks import workloads
-
     cfg = shaped_config(arch, layers, smoke)
-    original = workloads.model_config
-    workloads.model_config = lambda _arch: cfg  # build_random_model reads the config from it
-    try:
-        # stock's default attention: Gemma2 has no sdpa path (softcapping), so eager
-        attn = "eager" if arch.startswith("gemma2") else "sdpa"
-        return build_random_model(arch, device=device, attn_implementation=attn)
-    finally:
-        workloads.model_config = original
+    # stock's default attention: Gemma2 has no sdpa path (softcapping), so eager
+    attn = "eager" if arch.startswith("gemma2") else "sdpa"
+    return build_random_model(cfg, device=device, attn_implementation=attn)
 
 
 def latency(model, impl: str, device, prompt_len: int = 512, new: int = 256) -> float:
@@ -155,9 +141,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     result = check_impl(args, device) if args.check == "impl" else check_stock(args, device)
     result["environment"] = environment()
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"generic_{args.check}_{utc_stamp()}.json"
-    path.write_text(json.dumps(_without_outputs(result), indent=2, default=str))
+    path = write_record(_without_outputs(result), RESULTS_DIR, f"generic_{args.check}")
     log(f"wrote {path}")
 
 

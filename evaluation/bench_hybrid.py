@@ -1,7 +1,7 @@
 """Qwen3.5 shape (issue 32, acceptance 3): ``LLM`` against stock ``generate`` on W1's requests.
 
 transformers' default ``Qwen3_5TextConfig`` (hidden 4096, 32 layers, three of every four Gated
-DeltaNet, vocab 248k), random bf16 weights (``workloads.build_random_model``'s init). Stock runs
+DeltaNet, vocab 248k), random bf16 weights (``random_models.build_random_model``'s init). Stock runs
 the first ``--baseline-requests`` in padded batches of ``--batch-size``; ``LLM`` runs
 ``--our-requests`` (the recurrent layers on hf_paged's torch mixers, decode in CUDA graphs).
 The JSON records which kernels stock's path used (fla / causal-conv1d installed or the torch
@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
+from hf_paged.benchmarks.device_memory import free_memory, sync
+from hf_paged.benchmarks.run_record import environment, log, write_record
 from hf_paged.benchmarks.runners import run_stock  # noqa: E402
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.workloads import get_workload
 
 _SMOKE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -140,10 +134,7 @@ def main(argv=None) -> None:
         "environment": environment(),
     }
     log(f"ratio {result['ratio']:.1f}x; rows identical {agree}/{n}")
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"hybrid_{utc_stamp()}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+    path = write_record(result, os.environ.get("OUT") or RESULTS_DIR, "hybrid")
     log(f"wrote {path}")
 
 

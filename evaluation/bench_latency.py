@@ -40,21 +40,13 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    engine_source,
-    environment,
-    free_memory,
-    log,
-    make_requests,
-    markdown_table,
-    mem_str,
-    sync,
-    weight_bytes,
-)
+from hf_paged.benchmarks.device_memory import free_memory, mem_str, sync
+from hf_paged.benchmarks.random_models import build_random_model, engine_source, weight_bytes
+from hf_paged.benchmarks.run_record import environment, log, markdown_table
+from hf_paged.benchmarks.workloads import make_requests
 from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 
 SYSTEMS = ("llm", "dispatch", "dynamic", "static")
@@ -162,7 +154,7 @@ def run_llm(source, prompts, warm_prompt, n_new, device, ekw: dict) -> dict:
     """One timed generation per prompt (distinct prompts: no prefix hits); the row is the
     repeat with the median decode ms/token, with every repeat listed. Tokens: the first
     prompt's (the one stock runs). ``source``: the HF model, or at tensor_parallel_size > 1 a
-    checkpoint directory of it (``workloads.engine_source``)."""
+    checkpoint directory of it (``random_models.engine_source``)."""
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)

@@ -37,15 +37,15 @@ import random
 import time
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
+from hf_paged.benchmarks.device_memory import sync
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import (
     TritonCompileLog,
-    build_random_model,
     environment,
     log,
-    sync,
-    utc_stamp,
+    write_record,
 )
 
 
@@ -237,9 +237,7 @@ def main() -> None:
         result["loglikelihood"] = bench_loglikelihood(lm, args, dispatch)
     if args.only in (None, "generate_until"):
         result["generate_until"] = bench_generate(lm, args, dispatch)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"lm_eval_{utc_stamp()}{'_smoke' if args.smoke else ''}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_record(result, RESULTS_DIR, f"lm_eval{'_smoke' if args.smoke else ''}")
     print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=2))
     log(f"wrote {path}")
 

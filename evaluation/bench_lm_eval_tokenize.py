@@ -20,7 +20,6 @@ evaluation/results/lm_eval_tokenize_<UTC>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -28,7 +27,9 @@ from types import SimpleNamespace
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers loads, as lm-eval's CLI
 
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp  # noqa: E402
+from results_dir import RESULTS_DIR
+
+from hf_paged.benchmarks.run_record import environment, log, write_record
 from hf_paged.integration.lm_eval import install as adapter  # noqa: E402
 from hf_paged.integration.lm_eval import tokenize  # noqa: E402
 from hf_paged.testing.tokenizer import build_bpe_tokenizer, random_words  # noqa: E402
@@ -126,9 +127,7 @@ def main() -> None:
         "speedup_one_thread": t_stock / t_one,
         "equal": True,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"lm_eval_tokenize_{utc_stamp()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_record(result, RESULTS_DIR, "lm_eval_tokenize")
     log(f"wrote {path}")
 
 

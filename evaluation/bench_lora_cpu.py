@@ -32,10 +32,11 @@ import tempfile
 import time
 
 import torch
+from results_dir import RESULTS_DIR
 
 from hf_paged.benchmarks.lora import load_peft, save_random_adapter
+from hf_paged.benchmarks.run_record import environment, log
 from hf_paged.benchmarks.runners import left_pad
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log
 
 NUM_PROMPTS, NUM_ADAPTERS, RANK, NEW = 16, 4, 8, 32
 # prefix caching off: every timed call repeats the warm-up's prompts, whose KV stock recomputes

@@ -3,7 +3,7 @@ merged adapter and against stock PEFT ``generate(adapter_names=...)``.
 
 Workload: W2's 256 requests (prompts U[100, 1024], outputs U[100, 1024] tokens, random ids,
 seed 0, EOS ignored, greedy) on the Llama-3-8B shape with random bf16 weights
-(``workloads.build_random_model``). Eight rank-16 adapters on every projection
+(``random_models.build_random_model``). Eight rank-16 adapters on every projection
 (``benchmarks/lora.save_random_adapter``, written as PEFT writes them); request ``i`` gets one of
 the eight or ``"__base__"`` uniformly (``benchmarks/lora.assign``, seed 0).
 
@@ -36,21 +36,14 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
+from hf_paged.benchmarks.device_memory import free_memory, sync
 from hf_paged.benchmarks.lora import assign, load_peft, save_random_adapter
+from hf_paged.benchmarks.random_models import build_random_model, model_config
+from hf_paged.benchmarks.run_record import environment, log, utc_stamp
 from hf_paged.benchmarks.runners import PerRowLength, agreement, left_pad
-from hf_paged.benchmarks.workloads import (
-    RESULTS_DIR,
-    Workload,
-    build_random_model,
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    model_config,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.workloads import Workload, get_workload
 
 NUM_ADAPTERS, BASE = 8, "__base__"
 

@@ -24,23 +24,17 @@ ratio pipeline / llm and how many pipeline texts equal the LLM's decoded tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.device_memory import free_memory, sync
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import environment, log, write_record
+from hf_paged.benchmarks.workloads import get_workload
 
 
 def word_tokenizer(vocab_size: int):
@@ -159,10 +153,7 @@ def main(argv=None) -> Path:
         "systems": [llm_row, pipe_row], "ratio_pipeline_over_llm": ratio,
         "pipeline_texts_equal_llm": same,
     }  # fmt: skip
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"pipeline_{wl.name}{'_smoke' if args.smoke else ''}_{utc_stamp()}.json"
-    path.write_text(json.dumps(doc, indent=2))
+    path = write_record(doc, args.out_dir, f"pipeline_{wl.name}{'_smoke' if args.smoke else ''}")
     log(f"wrote {path}")
     return path
 

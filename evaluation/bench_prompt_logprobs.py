@@ -28,26 +28,22 @@ Writes ``${OUT:-evaluation/results}/prompt_logprobs_<UTC>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
 from hf_paged import LLM, SamplingParams, envs  # noqa: E402
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
+from hf_paged.benchmarks.device_memory import free_memory, mem_str, sync
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import (
     TritonCompileLog,
-    build_random_model,
     environment,
-    free_memory,
     log,
-    mem_str,
-    sync,
-    utc_stamp,
+    write_record,
 )
 
 RUNS = {  # name -> (prompt_logprobs, kernel on)
@@ -307,10 +303,9 @@ def main() -> None:
     )  # fmt: skip
     result["best_kernel_k0_prompt_tokens_per_s"] = best
     result["environment"] = environment()
-    out_dir = Path(args.out_dir or os.environ.get("OUT") or RESULTS_DIR)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"prompt_logprobs_{utc_stamp()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_record(
+        result, args.out_dir or os.environ.get("OUT") or RESULTS_DIR, "prompt_logprobs"
+    )
     log(f"best kernel_k0: {best:,.0f} prompt tokens/s (goal 200,000); wrote {path}")
     if not (result["kernel_vs_reference"]["ok"] and result["vs_stock"]["ok"]):
         log("CHECK FAILED (see kernel_vs_reference / vs_stock above)")

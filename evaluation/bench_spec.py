@@ -1,7 +1,7 @@
 """Speculative decoding at batch 1 (issue 25, acceptance 4): prompt lookup and a draft model on
 the 8B shape, against our plain decode (L1) and stock ``generate``, all in one process.
 
-Model: the Llama-3-8B architecture with random bf16 weights (``workloads.build_random_model``);
+Model: the Llama-3-8B architecture with random bf16 weights (``random_models.build_random_model``);
 draft: the Llama-3.2-1B shape (same vocabulary), random weights of its own. Greedy, batch 1,
 ``--new-tokens`` (256) new tokens, EOS never set.
 
@@ -43,19 +43,12 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    environment,
-    free_memory,
-    log,
-    make_requests,
-    markdown_table,
-    mem_str,
-    sync,
-    utc_stamp,
-)
+from hf_paged.benchmarks.device_memory import free_memory, mem_str, sync
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import environment, log, markdown_table, utc_stamp
+from hf_paged.benchmarks.workloads import make_requests
 from hf_paged.engine.core.request import EngineRequest  # noqa: E402
 
 

@@ -36,7 +36,11 @@ import time
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
+from hf_paged.benchmarks.device_memory import free_memory, mem_str, sync
+from hf_paged.benchmarks.random_models import build_random_model, engine_source, weight_bytes
+from hf_paged.benchmarks.run_record import environment, log, markdown_table
 from hf_paged.benchmarks.runners import (
     LABELS,
     SYSTEMS,
@@ -47,20 +51,7 @@ from hf_paged.benchmarks.runners import (
     run_llm,
     run_stock,
 )
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    Workload,
-    build_random_model,
-    engine_source,
-    environment,
-    free_memory,
-    get_workload,
-    log,
-    markdown_table,
-    mem_str,
-    sync,
-    weight_bytes,
-)
+from hf_paged.benchmarks.workloads import Workload, get_workload
 
 
 def check_agreement(model, wl, results, k, batch_size, device) -> dict:

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
+from hf_paged.benchmarks.run_record import environment, log, write_record
 from hf_paged.benchmarks.vlm import build_model, build_processor, vlm_requests
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp
 
 
 def _sync(device) -> None:
@@ -209,7 +208,9 @@ def main() -> None:
     if "stock" in by:
         ratios["llm_over_stock"] = by["llm"]["tok_per_s"] / by["stock"]["tok_per_s"]
     if "pipeline" in by:
-        ratios["pipeline_over_llm_fixed"] = by["pipeline"]["tok_per_s"] / by["llm_fixed"]["tok_per_s"]
+        ratios["pipeline_over_llm_fixed"] = (
+            by["pipeline"]["tok_per_s"] / by["llm_fixed"]["tok_per_s"]
+        )
         decode = processor.tokenizer.decode
         llm_texts = [decode(ids, skip_special_tokens=True) for ids in by["llm_fixed"]["outputs"]]
         ratios["pipeline_texts_equal_llm_fixed"] = sum(
@@ -220,10 +221,8 @@ def main() -> None:
         r.pop("outputs", None), r.pop("texts", None)
     record = dict(bench="vlm_gpu", arch=arch, device=device, env=environment(), rows=rows,
                   ratios=ratios)  # fmt: skip
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vlm_gpu{'_tiny' if args.tiny else ''}_{utc_stamp()}.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
+    out = os.environ.get("OUT") or RESULTS_DIR
+    path = write_record(record, out, f"vlm_gpu{'_tiny' if args.tiny else ''}")
     log(f"wrote {path}")
 
 

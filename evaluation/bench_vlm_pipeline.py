@@ -24,11 +24,12 @@ equals the LLM's decoded tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp
+from results_dir import RESULTS_DIR
+
+from hf_paged.benchmarks.run_record import environment, log, write_record
 
 
 def _pairs(n: int, seed: int):
@@ -135,10 +136,7 @@ def main(argv=None) -> Path:
         "all_runs": {"llm": llm_rows, "pipeline": pipe_rows},
         "ratio_pipeline_over_llm": ratio, "pipeline_texts_equal_llm": same,
     }  # fmt: skip
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"vlm_pipeline_{utc_stamp()}.json"
-    path.write_text(json.dumps(doc, indent=2))
+    path = write_record(doc, args.out_dir, "vlm_pipeline")
     log(f"wrote {path}")
     return path
 

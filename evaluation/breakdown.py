@@ -3,36 +3,15 @@ each recorded with ``hf-paged run --timings FILE [--backend hf]`` (or ``HF_PAGED
 
     python evaluation/breakdown.py STOCK.jsonl PAGED.jsonl [--md OUT.md] [--json OUT.json]
 
-Each file holds the JSON lines ``hf_paged/timings.py`` writes (the last line of each is used).
-The phases (imports, model load, engine start, client setup, tokenize, model work, adapter,
-results, rest) and ``outside model work`` are ``hf_paged/benchmarks/breakdown.py``'s, which says
-what each covers; the issue's bar is ours <= stock's + 1 s outside model work.
+Each file holds the JSON lines of ``hf_paged/timing/spans.py`` (the last line of each is used).
+The phases, what each covers and the table are ``hf_paged/timing/breakdown.py``'s (this script
+is its command line, ``python -m hf_paged.timing.breakdown`` the same); the bar is ours <= stock's
++ 1 s outside model work.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from hf_paged.benchmarks.breakdown import last_record, side_by_side
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stock")
-    ap.add_argument("paged")
-    ap.add_argument("--md", help="also write the table to this file")
-    ap.add_argument("--json", help="also write both phase dicts to this file")
-    args = ap.parse_args()
-    both = side_by_side(last_record(args.stock), last_record(args.paged))
-    print(both["table"])
-    if args.md:
-        Path(args.md).write_text(both["table"] + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"stock": both["stock"], "paged": both["paged"]},
-                                              indent=1))  # fmt: skip
-
+from hf_paged.timing.breakdown import main
 
 if __name__ == "__main__":
     main()

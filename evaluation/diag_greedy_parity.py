@@ -23,17 +23,12 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import (  # noqa: E402
-    RESULTS_DIR,
-    build_random_model,
-    environment,
-    log,
-    utc_stamp,
-)
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import environment, log, write_record
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -124,8 +119,7 @@ def main() -> None:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    path = Path(RESULTS_DIR) / f"greedy_parity_{utc_stamp()}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_record(result, RESULTS_DIR, "greedy_parity")
     log(f"wrote {path}")
 
 

@@ -18,15 +18,16 @@ import json
 from pathlib import Path
 
 import torch
+from results_dir import RESULTS_DIR
 
-from hf_paged.benchmarks.workloads import environment, log
+from hf_paged.benchmarks.run_record import environment, log
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--out", default="evaluation/results/diag_ignore_eos.json")
+    p.add_argument("--out", default=str(RESULTS_DIR / "diag_ignore_eos.json"))
     args = p.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -21,7 +21,8 @@ import time
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.benchmarks.workloads import build_random_model, log
+from hf_paged.benchmarks.random_models import build_random_model
+from hf_paged.benchmarks.run_record import log
 from hf_paged.engine.core.request import EngineRequest
 
 

@@ -13,7 +13,7 @@ once on every document and once with ``--limit 8``. Per kind: the median wall ti
 ours), the 8-doc difference (ours minus stock; the bar is <= 1 s), and what the full runs'
 samples agree on (identical strings; same choice; largest loglikelihood difference).
 
-Model: the Qwen3-0.6B shape with random bf16 weights (``workloads.build_random_model``) and a
+Model: the Qwen3-0.6B shape with random bf16 weights (``random_models.build_random_model``) and a
 byte-level BPE tokenizer trained here (``hf_paged.testing.build_bpe_tokenizer``, the model's
 vocabulary), saved to safetensors; ``--smoke``: a tiny fp32 Qwen3 on the CPU, documents scaled
 down. lm-eval and datasets travel to the GPU machine as wheels (``make gpu-wheels``).
@@ -37,8 +37,10 @@ import sys
 import time
 from pathlib import Path
 
+from results_dir import RESULTS_DIR
+
 from hf_paged.benchmarks.lm_eval_tasks import KINDS, agreement, samples, write_task
-from hf_paged.benchmarks.workloads import RESULTS_DIR, environment, log, utc_stamp
+from hf_paged.benchmarks.run_record import environment, log, utc_stamp
 
 LIMIT = 8  # the run that measures what a process costs before any real work
 
@@ -84,7 +86,7 @@ def build_checkpoint(folder: Path, smoke: bool) -> None:
         return
     import torch
 
-    from hf_paged.benchmarks.workloads import build_random_model
+    from hf_paged.benchmarks.random_models import build_random_model
 
     model = build_random_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16)
     model.save_pretrained(folder)

@@ -9,11 +9,14 @@ map_generate``, or first access of ``hf_paged.ray``) needs ``ray[data]``; it sta
 ``dir(hf_paged)`` so that ``help(hf_paged)`` works without it. The front ends live in
 ``entrypoints/``.
 
-``import hf_paged`` has one side effect: the ``generate`` and ``pipeline`` dispatchers are
-installed when transformers loads them (``integration/hooks.py``); they change nothing until a
-call passes ``backend="paged"``, ``set_default_backend("paged")`` is called or
-``HF_PAGED_BACKEND=paged`` is set. The names below load on first use, so importing the package
-(and the ``hf-paged`` command) costs no torch import.
+``import hf_paged`` has one side effect, ``integration/hooks.install_on_import``: the
+``generate`` and ``pipeline`` dispatchers are installed when transformers loads them; they change
+nothing until a call passes ``backend="paged"``, ``set_default_backend("paged")`` is called or
+``HF_PAGED_BACKEND=paged`` is set. Only when ``HF_PAGED_TIMINGS`` names a file does the same call
+also install the timing record and the client's phase spans (``timing/``), which then import
+torch and transformers at once to time them. (A mistyped ``HF_PAGED_*`` variable is warned
+about at import; that installs nothing.) The names below load on first use, so importing the
+package (and the ``hf-paged`` command) costs no torch import.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import importlib
 
 from hf_paged import envs as _envs
-from hf_paged import timings as _timings
 from hf_paged.integration import hooks as _hooks
 
 __version__ = "0.1.0"
@@ -91,11 +93,6 @@ def uninstall() -> None:
 
 
 _envs.warn_unknown()  # a mistyped HF_PAGED_* variable is said now, not at the first engine
-_hooks.install_on_import()
-_timings.install()  # inert unless HF_PAGED_TIMINGS names a file
-if _timings.enabled():  # the client's own phases too, on stock and paged runs alike
-    from hf_paged.integration import client_timings as _client_timings
-
-    _client_timings.install()
+_hooks.install_on_import()  # the dispatchers (and the timing hooks when HF_PAGED_TIMINGS is set)
 
 __all__ = [*(n for n in _EXPORTS if n not in _OPTIONAL), "install", "uninstall", "__version__"]

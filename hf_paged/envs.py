@@ -115,7 +115,7 @@ SWITCHES: dict[str, Switch] = {
         Switch(
             "HF_PAGED_PROFILE",
             False,
-            "Host-side timing of engine steps (``engine/step_profile.py``): host time per step "
+            "Host-side timing of engine steps (``timing/step_profile.py``): host time per step "
             "section and the time spent waiting for the GPU, in ``llm.stats['profile']``. "
             "Costs one clock read per section; off by default.",
         ),
@@ -124,7 +124,7 @@ SWITCHES: dict[str, Switch] = {
             "",
             "A file path: the process adds up wall-time spans (imports, model loading, each "
             "engine start and its steps, every engine step) and appends them as one JSON line "
-            "to that file at exit (``hf_paged/timings.py``; the client suite's time "
+            "to that file at exit (``hf_paged/timing/spans.py``; the client suite's time "
             "breakdown). Turns on ``HF_PAGED_PROFILE``'s step sections too. Empty = off.",
         ),
         Switch(

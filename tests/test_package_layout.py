@@ -417,7 +417,7 @@ FOREIGN_WRITES = {
         "torch's ProcessGroupGloo options have no public setter",
     ("hf_paged/integration/auto.py", "skeleton.config._name_or_path"):
         "a transformers config's path, as from_pretrained sets it",
-    ("hf_paged/integration/client_timings.py", "timed._hf_paged_span"):
+    ("hf_paged/timing/client.py", "timed._hf_paged_span"):
         "a wrapper function the module itself built",
     ("hf_paged/integration/engine_owner.py", "model.__dict__"):
         "the engine owner on a user's HF model, as a plain attribute (not a submodule)",

@@ -197,18 +197,10 @@ class TorchBatchedBackend(AttentionBackend):
             self._layouts = (meta, exact, build_layouts(meta, block_size, device, exact))
         return self._layouts[2]
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, Dv]
-        k_cache: torch.Tensor | None,
-        v_cache: torch.Tensor | None,
-        meta: AttentionMetadata,
-        spec: AttentionLayerSpec,
-        kv_stored: bool = False,
-        sinks: torch.Tensor | None = None,  # [H]
-    ) -> torch.Tensor:  # [T, H, Dv]
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+                spec: AttentionLayerSpec, kv_stored: bool = False, sinks=None) -> torch.Tensor:  # fmt: skip
+        """``AttentionBackend.forward`` (its shapes); ``sinks`` [H] as the reference takes
+        them. Returns [T, H, Dv]."""
         has_cache = k_cache is not None and v_cache is not None
         bidirectional = meta.bidirectional_ranges is not None and spec.bidirectional
         if bidirectional or (has_cache and k_cache.dtype != q.dtype):

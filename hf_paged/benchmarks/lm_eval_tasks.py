@@ -150,3 +150,15 @@ def run_side_by_side(cmds: dict[str, list[str]], env: dict, cwd: str, log_dir: s
         log.close()
         out[name] = (rc, Path(log.name).read_text())
     return out
+
+
+def check_served(runs: dict[str, tuple[int, str]], served: tuple[str, ...]) -> None:
+    """``run_side_by_side``'s stock and paged runs: both exited 0, and the paged one fell back
+    nowhere and its log holds each line of ``served`` (what shows the engine did the work).
+    Raises AssertionError with the log's end otherwise."""
+    for name, (rc, text) in runs.items():
+        assert rc == 0, f"{name} lm_eval failed:\n{text[-3000:]}"
+        if name == "paged":
+            assert "PagedFallbackWarning" not in text, text[-3000:]
+            for line in served:
+                assert line in text, f"{line!r} not in the paged log:\n{text[-3000:]}"

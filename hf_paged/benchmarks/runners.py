@@ -17,7 +17,9 @@ import warnings
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_paged.benchmarks.workloads import TritonCompileLog, Workload, free_memory, log, sync
+from hf_paged.benchmarks.device_memory import free_memory, sync
+from hf_paged.benchmarks.run_record import TritonCompileLog, log
+from hf_paged.benchmarks.workloads import Workload
 
 SYSTEMS = ("stock", "cb", "llm", "dispatch")
 LABELS = {
@@ -159,7 +161,7 @@ def run_cb(model, wl: Workload, device) -> dict:
 
 def run_llm(source, wl: Workload, engine_kwargs: dict, device, system: str = "llm") -> dict:
     """``wl`` through ``hf_paged.LLM(source)``: ``source`` is the HF model or, at
-    tensor_parallel_size > 1, a checkpoint directory of it (``workloads.engine_source``)."""
+    tensor_parallel_size > 1, a checkpoint directory of it (``random_models.engine_source``)."""
     from hf_paged import LLM, SamplingParams
 
     free_memory(device)

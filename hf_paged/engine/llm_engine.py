@@ -50,7 +50,7 @@ from hf_paged.engine.stats import engine_stats
 from hf_paged.engine.stepping import Stepper, StepResult
 from hf_paged.engine.stop_strings import StopStringsCache
 from hf_paged.engine.worker.kv_readback import gather_kv
-from hf_paged.engine.worker.step_profile import StepProfile
+from hf_paged.timing.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from hf_paged.config import EngineConfig
 from hf_paged.layers.rotary import length_dependent_limit
 from hf_paged.models.forward_wrappers import instance_autocast
-from hf_paged.models.generic.support import checkpoint_class_reason
+from hf_paged.models.generic.support import checkpoint_class_refusal
 from hf_paged.models.protocol import UnsupportedModelError
 from hf_paged.models.registry import resolve_model_class
 from hf_paged.models.servable import check_servable
@@ -213,9 +213,9 @@ def resolve_runtime(model, config: EngineConfig) -> RuntimeInfo:
                 )
             )
         hf_config = AutoConfig.from_pretrained(path)
-        not_causal = checkpoint_class_reason(hf_config)
+        not_causal = checkpoint_class_refusal(hf_config)
         if not_causal is not None:
-            raise UnsupportedModelError(not_causal)
+            raise UnsupportedModelError(not_causal.detail)
         try:
             gen_config = GenerationConfig.from_pretrained(path)
         except OSError:

@@ -3,12 +3,15 @@ state)."""
 
 from __future__ import annotations
 
+from hf_paged.timing.step_profile import profile_stats
+
 
 def engine_stats(engine) -> dict:
     """Scheduler, block-manager, speculative-decoding and (with ``HF_PAGED_PROFILE=1``)
     per-section timing counters of ``engine``."""
     bm, sched, spec, rt = engine.block_manager, engine.scheduler, engine.spec, engine.runtime
     overlap = engine.overlap
+    runner = getattr(engine.executor, "runner", None)  # None: tensor-parallel (other processes)
     return {
         "num_preemptions": sched.num_preemptions,
         "num_parked": engine.external.num_parked,  # paused (external) sequences preempted
@@ -32,15 +35,5 @@ def engine_stats(engine) -> dict:
         "state_pool_bytes": rt.state_slot_bytes
         * (rt.num_state_slots + 1 if rt.num_state_slots else 0),
         **rt.encoder_cache.stats(),  # image features reused (vision-language models)
-        **_profile_stats(engine),
+        **profile_stats(engine.profile, runner.profile if runner is not None else None),
     }
-
-
-def _profile_stats(engine) -> dict:
-    if not engine.profile.enabled:
-        return {}
-    prof = engine.profile.summary()
-    runner = getattr(engine.executor, "runner", None)
-    if runner is not None:
-        prof.update(runner.profile.summary())
-    return {"profile": prof}

@@ -118,7 +118,7 @@ class PagedGenerateMap:
         if tokenizer is None:
             raise ValueError("tokenizer=None is not allowed here: pass the model's tokenizer")
         if not self._paged:
-            refusal = servable.precheck(model, {}, {})
+            refusal = servable.generate_refusal(model, {}, {})
             if refusal is not None:
                 raise ValueError(f"this model can't run on the paged engine: {refusal.detail}")
         self.tokenizer = tokenizer

@@ -260,7 +260,7 @@ class PagedModelForCausalLM:
         }
         if assistant_model is self:  # its engine is the one drafting would need
             raise _unsupported(Refusal("assisted_self", "assistant_model is this model"))
-        refusal = servable.precheck(self._skeleton, named, kwargs, model_checks=False)
+        refusal = servable.generate_refusal(self._skeleton, named, kwargs, model_checks=False)
         if refusal is not None:
             raise _unsupported(refusal)
         if inputs is None and kwargs.get("input_ids") is None:

@@ -34,15 +34,16 @@ import threading
 
 from transformers.generation.utils import GenerationMixin
 
-from hf_paged import envs, timings
+from hf_paged import envs
 from hf_paged.config import EngineConfig
 from hf_paged.integration import engine_owner, hooks, paged_call, servable
 from hf_paged.integration.fallback import PagedFallback, call_stock, in_stock, warn_fallback
 from hf_paged.refusal import Refusal
+from hf_paged.timing import spans
 
 ENV_VAR = "HF_PAGED_BACKEND"
 BACKENDS = ("paged", "hf")  # "hf" = stock transformers generate
-# keywords the dispatcher checks (servable.precheck) or stock alone reads: never forwarded
+# keywords the dispatcher checks (servable.generate_refusal) or stock alone reads: never forwarded
 NOT_FORWARDED = (
     "custom_generate", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask",
     "trust_remote_code",
@@ -199,10 +200,10 @@ def _make_wrapper(original):
             paged_config = as_engine_config(paged_config)  # bad input raises on any path
         if backend is None:
             backend = "hf" if in_stock() else get_default_backend()
-        with timings.span("client.requests"):  # a generate call is a request phase of its own
+        with spans.span("client.requests"):  # a generate call is a request phase of its own
             if backend != "paged":
                 engine_owner.give_back_for_stock(self)
-                with timings.span("model.stock"):
+                with spans.span("model.stock"):
                     return call_stock(original, self, args, kwargs)
             return _generate_paged(original, signature, self, args, kwargs, paged_config)
 
@@ -214,7 +215,7 @@ def _generate_paged(original, signature, model, args, kwargs, paged_config):
     bound = signature.bind(model, *args, **kwargs)
     named = {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
     extra = dict(bound.arguments.get("kwargs", {}))
-    fb = servable.precheck(model, named, extra)
+    fb = servable.generate_refusal(model, named, extra)
     if fb is None:
         forwarded = {k: v for k, v in {**named, **extra}.items() if k not in NOT_FORWARDED}
         try:

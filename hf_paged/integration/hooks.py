@@ -1,4 +1,5 @@
-"""``import hf_paged``'s one side effect: the dispatchers go on when transformers loads.
+"""``import hf_paged``'s one side effect, ``install_on_import``: the dispatchers go on when
+transformers loads (and, only when ``HF_PAGED_TIMINGS`` names a file, the timing hooks).
 
 ``generate``'s dispatcher (``dispatch.install``) patches ``GenerationMixin.generate`` and the
 pipeline wrapper (``pipeline.install_pipeline``) patches ``transformers.pipeline``. Both are
@@ -6,7 +7,10 @@ inert until asked (``backend="paged"``, ``set_default_backend("paged")``,
 ``HF_PAGED_BACKEND=paged``). Installing them needs transformers, which takes seconds to import,
 so ``install_on_import`` installs each now if its transformers module is loaded already, and
 otherwise right after that module first executes (``after_import``, an import hook that
-lm-eval's HFLM patch uses too). Nothing here imports torch or transformers.
+lm-eval's HFLM patch uses too). The timing record (``timing.install``) is inert unless
+``HF_PAGED_TIMINGS`` names a file; then it imports torch and transformers at once (to time them)
+and wraps the client's phases through the same hook. Otherwise nothing here imports torch or
+transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Callable
+
+from hf_paged import timing
 
 # transformers module -> (hf_paged module, its install function)
 _TARGETS = {
@@ -101,7 +107,10 @@ def module_ready(module: str) -> None:
 
 def install_on_import() -> None:
     """Install both dispatchers now where transformers has loaded the module they patch, else
-    when it does. Idempotent (the installs themselves are)."""
+    when it does; and the timing record and client spans when ``HF_PAGED_TIMINGS`` is set.
+    Idempotent (the installs themselves are): ``hf-paged run`` calls it again after setting
+    the variables it takes from its options."""
+    timing.install(after_import)
     with _lock:
         pending = [t for t in _TARGETS if t not in sys.modules]
         for target in pending:  # first: installing a loaded target may import another one

@@ -29,7 +29,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 
 from hf_paged.integration.beam_search import generate_beams
 from hf_paged.integration.contract.cache import cache_contract, output_field, take_passed_cache
-from hf_paged.integration.contract.content import check_passed, fill
+from hf_paged.integration.contract.content import fill, passed_cache_refusal
 from hf_paged.integration.external import run_external
 from hf_paged.integration.fallback import PagedFallback
 from hf_paged.integration.route import Beams, DraftHold, External, Native, route
@@ -63,7 +63,7 @@ def generate_paged(model, get_engine: Callable[[], object], hold_assistant=None,
         routed = route(model, generate_kwargs, engine, drafts=drafts)
         contract = cache_contract(model, routed.call, passed, engine)
         if not isinstance(contract, Refusal):
-            contract = check_passed(contract, engine(), routed.call) or contract
+            contract = passed_cache_refusal(contract, engine(), routed.call) or contract
         if isinstance(contract, Refusal):  # the call's cache duties: the boundary raises them
             raise PagedFallback.of(contract)
         match routed:

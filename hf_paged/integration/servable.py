@@ -1,7 +1,7 @@
 """Can this ``generate`` call run on the paged engine? Judged from its arguments and the model,
 before any preparation (what needs the prepared generation config is judged in ``prepare.py``).
 
-``precheck`` returns a ``Refusal`` (not raised) so callers decide: the dispatcher runs stock,
+``generate_refusal`` returns a ``Refusal`` (not raised) so callers decide: the dispatcher runs stock,
 ``PagedModelForCausalLM`` raises its own error, the streaming pipeline takes the per-batch path.
 What no engine serves at all (quantization, PEFT) is ``models.servable``'s judgement, the one the
 engine raises as ``ValueError``; this module adds what a stock twin of the call can tell apart
@@ -17,7 +17,9 @@ from hf_paged.models.servable import servable_refusal
 from hf_paged.refusal import Refusal
 
 
-def precheck(model, args: dict, kwargs: dict, *, model_checks: bool = True) -> Refusal | None:
+def generate_refusal(
+    model, args: dict, kwargs: dict, *, model_checks: bool = True
+) -> Refusal | None:
     """Why the call can't go paged, or None.
 
     Args:

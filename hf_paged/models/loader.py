@@ -81,13 +81,7 @@ class _Router:
         if _can_share(param, loaded, shard_id):
             param.data = loaded.detach()
         else:
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, loaded)
-                else:
-                    param.weight_loader(param, loaded, shard_id)
-            except ValueError as e:
-                raise ValueError(f"loading {hf_name!r} into {name!r}: {e}") from e
+            _load(param, param, loaded, shard_id, f"loading {hf_name!r} into {name!r}")
         self.loaded.add(target)
 
     def check_complete(self) -> None:
@@ -250,12 +244,18 @@ def refresh_weights(
                 continue  # shared at load: the engine computes with the source itself
             dst = torch.empty_like(param, device="meta") if dry_run else param
             src = loaded.to("meta") if dry_run else loaded
-            try:
-                if shard_id is None:
-                    param.weight_loader(dst, src)
-                else:
-                    param.weight_loader(dst, src, shard_id)
-            except ValueError as e:
-                raise ValueError(f"{hf_name!r} does not fit {name!r}: {e}") from e
+            _load(param, dst, src, shard_id, f"{hf_name!r} does not fit {name!r}")
             copied += 1
     return copied
+
+
+def _load(param, dst, src, shard_id, what: str) -> None:
+    """``param``'s weight loader copies ``src`` into ``dst`` (one shard of a fused weight when
+    ``shard_id`` names it); a shape it refuses is a ``ValueError`` that starts with ``what``."""
+    try:
+        if shard_id is None:
+            param.weight_loader(dst, src)
+        else:
+            param.weight_loader(dst, src, shard_id)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from e

@@ -3,19 +3,16 @@ file has the ratio and the KV record, and every returned row equals stock's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.evaluation_scripts import load_evaluation_script
 
 
 def test_bench_beams_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_beams", ROOT / "evaluation/bench_beams.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_evaluation_script("bench_beams")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

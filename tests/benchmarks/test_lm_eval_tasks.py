@@ -4,20 +4,14 @@ that lm-eval's own task manager loads, with the request kind and document count 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from hf_paged.benchmarks.lm_eval_tasks import KINDS, agreement, samples, write_task
+from tests.evaluation_scripts import load_evaluation_script
 
-_spec = importlib.util.spec_from_file_location(
-    "run_lm_eval_cli", Path(__file__).resolve().parents[2] / "evaluation/run_lm_eval_cli.py"
-)
-_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cli)
-issue_docs = _cli.issue_docs
+issue_docs = load_evaluation_script("run_lm_eval_cli").issue_docs
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # lm-eval 0.4.13 get_task_dict

@@ -1,7 +1,7 @@
 """The client suite's pieces: sizes, fresh-process runs with their time breakdown, result files.
 
 Each client runs the way users start it, in a fresh process, beside stock. A paged process
-runs with ``HF_PAGED_TIMINGS`` (``hf_paged/timings.py``), so its wall time splits into imports
+runs with ``HF_PAGED_TIMINGS`` (``hf_paged/timing/spans.py``), so its wall time splits into imports
 (process start to ``import hf_paged``: torch and transformers), model loading (transformers'
 ``from_pretrained``), engine start (executor build: weights, warm-up with the Triton compiles,
 KV cache, CUDA graphs), the engine's own work (its steps) and the client's own work (the rest:
@@ -20,7 +20,7 @@ pair): after each stock/paged pair, stock's command runs once more under the sam
 its outputs renamed ``*_timed`` so that nothing the comparison reads is touched; every process
 runs alone then, on CPU too. The client's
 entry then holds ``stock_breakdown`` beside the paged run's, and ``breakdown_tables``: both
-processes' phases side by side (``hf_paged/benchmarks/breakdown.py``) with ours minus stock's
+processes' phases side by side (``hf_paged/timing/breakdown.py``) with ours minus stock's
 outside model work, issue 29's bar (<= 1 s); the tables also go to ``<results>.breakdown.md``.
 """
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_paged.benchmarks.breakdown import SLACK_S, phases, side_by_side
+from hf_paged.timing.breakdown import SLACK_S, phases, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = Path(__file__).resolve().parent / "targets"
@@ -128,7 +128,7 @@ class Run:
     wall_s: float
     log: str  # the last part of its output
     breakdown: dict = field(default_factory=dict)
-    record: dict = field(default_factory=dict)  # timings.snapshot() of the main process
+    record: dict = field(default_factory=dict)  # spans.snapshot() of the main process
     timed: Run | None = None  # stock: the same command under `hf-paged run --backend hf`
 
     def check(self) -> Run:
@@ -365,6 +365,6 @@ def _run_entry(run: Run) -> dict:
 
 
 def _environment() -> dict:
-    from hf_paged.benchmarks.workloads import environment
+    from hf_paged.benchmarks.run_record import environment
 
     return environment()

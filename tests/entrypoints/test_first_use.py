@@ -144,13 +144,15 @@ def test_a_refused_model_is_named(tmp_path):
     assert "mask token" in message
 
 
-def test_a_bare_hub_id_gets_the_download_hint(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no directory named gpt2 here
+@pytest.mark.parametrize("hub_id", ["gpt2", "meta-llama/Llama-3-8B"])
+def test_a_bare_hub_id_gets_the_download_hint(tmp_path, monkeypatch, hub_id):
+    monkeypatch.chdir(tmp_path)  # no local directory of that name here
     with pytest.raises(ValueError) as info:
-        LLM("gpt2")
+        LLM(hub_id)
     message = str(info.value)
-    assert "'gpt2' looks like a Hugging Face Hub id" in message
-    assert "huggingface-cli download gpt2 --local-dir DIR" in message
+    assert f"{hub_id!r} looks like a Hugging Face Hub id" in message
+    assert "downloads nothing" in message and "local directory" in message
+    assert f"huggingface-cli download {hub_id} --local-dir DIR" in message
     assert "hf-paged fetch-demo-model" in message
 
 

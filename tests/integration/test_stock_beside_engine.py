@@ -162,11 +162,11 @@ BEAM_PROMPTS = 48  # x 4 beams x 512 tokens: the issue's 32 need ~15 GiB, about 
 # leaves free (0.1 of the device); 48 need ~22 GiB, certainly more
 
 
-def _load_workloads():
-    """The benchmarks' workloads (random-weight model builders)."""
-    from hf_paged.benchmarks import workloads
+def _load_benchmark_helpers():
+    """The benchmarks' random-weight model builder and device-memory helpers."""
+    from hf_paged.benchmarks import device_memory, random_models
 
-    return workloads
+    return device_memory, random_models
 
 
 @pytest.mark.gpu
@@ -177,9 +177,9 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
     device less what is in use), which leaves less free than that beam search needs; the same
     stock call runs again to the end (the engine gave its memory back), and a paged
     call after it gets its tokens from a rebuilt engine."""
-    workloads = _load_workloads()
-    workloads.free_memory("cuda")  # earlier tests' models and engines (cycles) go first
-    model = workloads.build_random_model("llama3-8b", "cuda", torch.bfloat16)
+    device_memory, random_models = _load_benchmark_helpers()
+    device_memory.free_memory("cuda")  # earlier tests' models and engines (cycles) go first
+    model = random_models.build_random_model("llama3-8b", "cuda", torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(3, 128000, (BEAM_PROMPTS, 512), device="cuda", generator=gen)
     beam = dict(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=4,
@@ -187,7 +187,7 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
     small = dict(input_ids=ids[:4, :64], attention_mask=torch.ones_like(ids[:4, :64]),
                  max_new_tokens=8, do_sample=False)  # fmt: skip
     try:
-        workloads.free_memory("cuda")
+        device_memory.free_memory("cuda")
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         before = model.generate(**beam, backend="hf")  # before any engine existed
@@ -215,4 +215,4 @@ def test_stock_beam_search_runs_after_a_paged_call_on_the_8b_shape():
     finally:
         dispatch.release(model)
         del model
-        workloads.free_memory("cuda")
+        device_memory.free_memory("cuda")

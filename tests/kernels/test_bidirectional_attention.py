@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main, random_paged_kv
 
 TOL = 1e-4  # fp32 under the interpreter
 GPU_TOL = {"float32": 1e-5, "bfloat16": 1e-2}  # relative Frobenius error on the GPU
@@ -41,17 +41,10 @@ def _batch(seqs, group, num_kv_heads=2, head_dim=32, block_size=16, seed=0,
 
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-ctx // block_size) for _, ctx, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(device, dt)
-    v_cache = torch.randn(shape, generator=gen).to(device, dt)
-    ids = torch.randperm(num_blocks, generator=gen).int()
-    block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = ids[used : used + n]
-        used += n
+    k_cache, v_cache, block_tables = random_paged_kv(
+        [ctx for _, ctx, _ in seqs], num_kv_heads, head_dim, block_size, gen
+    )
+    k_cache, v_cache = k_cache.to(device, dt), v_cache.to(device, dt)
     cu = [0]
     for q_len, _, _ in seqs:
         cu.append(cu[-1] + q_len)
@@ -186,15 +179,11 @@ for _s in range(6):
     CASES[f"random_{_s}"] = (case_random, (_s,))
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_reference(interpreter_results, case):
-    result = interpreter_results[case]
-    assert isinstance(result, float), result  # a string is the child's traceback
+def test_kernel_matches_reference(interpreted, case):
+    result = interpreted[case]
     assert result < TOL, f"{case}: max abs error {result}"
 
 

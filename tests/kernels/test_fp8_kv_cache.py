@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main
 
 
 def _caches(num_blocks=8, block=8, kv_heads=2, d=32, seed=0):
@@ -69,22 +69,17 @@ CASES = {"store": (_store_case, ()), "decode": (_decode_case, ()),
          "prefill": (_prefill_case, ())}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_interpreter_cases(__file__, timeout=600)
 
 
-def test_store_into_fp8_cache(results):
-    value = results["store"]
-    assert not isinstance(value, str), value
+def test_store_into_fp8_cache(interpreted):
+    value = interpreted["store"]
     assert value > 0.97  # the interpreter's float8 cast drops rare binade carries (see
     # tests/kernels/test_fp8_interpret.py); on CUDA both round alike
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill"])
-def test_attention_over_fp8_cache(results, name):
-    value = results[name]
-    assert not isinstance(value, str), value
+def test_attention_over_fp8_cache(interpreted, name):
+    value = interpreted[name]
     assert value < 1e-4, f"{name}: relative error {value}"
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_paged.testing.markers import marked
-from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main, random_paged_kv
 
 # ---- under Triton's CPU interpreter (the cases run in one child process) --------------------------
 
@@ -39,17 +39,9 @@ def _batch_fp32(seqs, num_heads, num_kv_heads, head_dim=64, block_size=16, seed=
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-ctx // block_size) for _, ctx in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen)
-    v_cache = torch.randn(shape, generator=gen)
-    ids = torch.randperm(num_blocks, generator=gen).int()
-    block_tables = torch.zeros(len(seqs), max(blocks_per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = ids[used : used + n]
-        used += n
+    k_cache, v_cache, block_tables = random_paged_kv(
+        [ctx for _, ctx in seqs], num_kv_heads, head_dim, block_size, gen
+    )
     q_lens = [q_len for q_len, _ in seqs]
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     ctx = torch.tensor([c for _, c in seqs], dtype=torch.int32)
@@ -244,15 +236,11 @@ for _w in (None, 5, 33):
     CASES[f"prefill_prefix_sweep_window{_w}"] = (case_prefill, (2, _w, 16, SWEEP_SEQS))
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_reference(interpreter_results, case):
-    result = interpreter_results[case]
-    assert isinstance(result, float), result  # a string is the child's traceback
+def test_kernel_matches_reference(interpreted, case):
+    result = interpreted[case]
     assert result < TOL_FP32, f"{case}: max abs error {result}"
 
 

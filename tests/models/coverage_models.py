@@ -17,16 +17,15 @@ recurrent layers stock's reference is each prompt run alone.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from hf_paged.testing.any_model import HIDDEN, VOCAB, build_tiny
+from tests.models import coverage_report as report
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (1, 4, 5, 9)  # 1 token, a block boundary, one past it, two blocks + 1
@@ -35,15 +34,6 @@ MAX_NEW_TOKENS = 16
 # 14 * 19 = 266 tokens, longer than the tiny configs' max_position_embeddings (256), as a step
 # of many prompts is for real models (BigBird sliced a buffer by the step's length)
 WIDE_COPIES = 14
-
-
-@dataclass
-class ArchResult:
-    model_type: str
-    class_name: str
-    status: str  # served | fallback | failure | not_text | no_build
-    detail: str = ""
-    seconds: float = 0.0
 
 
 def causal_lm_entries() -> list[tuple[str, str]]:
@@ -94,18 +84,18 @@ def run_arch(
     device: str = "cpu",
     block_size: int = BLOCK_SIZE,
     wide: bool = True,
-) -> ArchResult:
+) -> report.ArchResult:
     """Build, save, reload, and compare paged with stock greedy for one architecture (model,
     prompts and engine on ``device``; KV blocks of ``block_size``: the Triton kernels need at
     least 8, so CUDA runs at 4 use the torch reference attention); then the wide step
     (``WIDE_COPIES``) unless ``wide`` is False."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from hf_paged import PagedFallbackWarning, release
+    from hf_paged import PagedFallbackWarning
     from hf_paged.integration.fallback import reset_fallback_warnings
 
     t0 = time.perf_counter()
-    res = ArchResult(model_type, class_name, "no_build")
+    res = report.ArchResult(model_type, class_name, "no_build")
     try:
         config = CONFIG_MAPPING[model_type]()
         why = not_text_reason(config)
@@ -125,14 +115,14 @@ def run_arch(
                 else _rows_alone(model, ids, mask)
             )
     except Exception as e:  # noqa: BLE001  recorded, not counted
-        res.detail = f"{type(e).__name__}: {_short(e)}"
+        res.detail = f"{type(e).__name__}: {report.short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
     reset_fallback_warnings()
     # no prefix caching: the wide step's copies of one prompt each compute all their tokens
     cfg = dict(kv_block_size=block_size, model_impl=model_impl, max_model_len=64,
                num_kv_blocks=64 * WIDE_COPIES, enable_prefix_caching=False, device=device)  # fmt: skip
-    try:
+    with report.paged_run(res, model, t0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = _generate(model, ids, mask, backend="paged", paged_config=cfg)
@@ -143,7 +133,7 @@ def run_arch(
                                  paged_config=cfg)  # fmt: skip
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
-            res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
+            res.status, res.detail = "fallback", report.short(str(fell[0].message), 300)
         elif not _engine_ran(model):
             res.status, res.detail = "failure", "no fallback warning, but no engine was built"
         elif not torch.equal(out, ref):
@@ -153,11 +143,6 @@ def run_arch(
             res.detail = f"wide step ({k} copies): {_first_diff(ref.repeat(k, 1), wide_out)}"
         else:
             res.status, res.detail = "served", "identical"
-    except Exception as e:  # noqa: BLE001  a paged call must never raise here
-        res.status, res.detail = "failure", f"{type(e).__name__}: {_short(e)}"
-    finally:
-        release(model)
-    res.seconds = time.perf_counter() - t0
     return res
 
 
@@ -187,11 +172,6 @@ def _engine_ran(model) -> bool:
     return owner is not None and owner.engine is not None
 
 
-def _short(e, n: int = 160) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
 def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
     if ref.shape != out.shape:
         return f"shape {tuple(out.shape)} != stock {tuple(ref.shape)}"
@@ -203,25 +183,15 @@ def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> str:
 
 def run_all(
     model_types: list[str] | None = None, model_impl: str = "auto", device: str = "cpu"
-) -> list[ArchResult]:
+) -> list[report.ArchResult]:
     entries = causal_lm_entries()
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
     return [run_arch(mt, cls, model_impl, device) for mt, cls in entries]
 
 
-def summary(results: list[ArchResult]) -> dict[str, int]:
-    counts = {s: 0 for s in ("served", "fallback", "failure", "not_text", "no_build")}
-    for r in results:
-        counts[r.status] += 1
-    built = counts["served"] + counts["fallback"] + counts["failure"]
-    counts["built"] = built
-    counts["served_pct"] = math.floor(100 * counts["served"] / built) if built else 0
-    return counts
-
-
 def markdown_table(
-    results: list[ArchResult], block_size: int = BLOCK_SIZE, wide: bool = True
+    results: list[report.ArchResult], block_size: int = BLOCK_SIZE, wide: bool = True
 ) -> str:
     """The coverage table: decoder-only text architectures first, then the ones not counted."""
     wide_text = (
@@ -230,7 +200,7 @@ def markdown_table(
         if wide
         else ""
     )
-    c = summary(results)
+    c = report.summary(results)
     lines = [
         f"{c['served']} of {c['built']} decoder-only text architectures that build tiny are "
         f"served ({c['served_pct']}%), {c['fallback']} fall back with a named reason, "
@@ -240,17 +210,8 @@ def markdown_table(
         f"{MAX_NEW_TOKENS} greedy tokens, KV blocks of {block_size}{wide_text}; transformers "
         f"{_tf_version()}.",
         "",
-        "| model_type | class | result | detail |",
-        "|---|---|---|---|",
+        *report.table_rows(results),
     ]
-    order = {"served": 0, "failure": 1, "fallback": 2, "not_text": 3, "no_build": 4}
-    label = {
-        "served": "served", "fallback": "fallback", "failure": "**FAILURE**",
-        "not_text": "not counted: not a decoder-only text model", "no_build": "not counted: does not build tiny",
-    }  # fmt: skip
-    for r in sorted(results, key=lambda r: (order[r.status], r.model_type)):
-        detail = r.detail.replace("|", "\\|")
-        lines.append(f"| {r.model_type} | {r.class_name} | {label[r.status]} | {detail} |")
     return "\n".join(lines) + "\n"
 
 
@@ -262,7 +223,7 @@ def _tf_version() -> str:
 
 def main(argv: list[str]) -> None:
     """``python -m tests.models.coverage_models [--write F] [--device D] [model_type ...]``: the
-    table on stdout (and in F); each row also goes to stderr as it finishes, so a run cut short
+    table on stdout (and in F); each row also goes to stderr as it finishes, so a run cut report.short
     by a time limit still shows what it reached."""
     p = argparse.ArgumentParser(prog="python -m tests.models.coverage_models")
     p.add_argument("--write", default=None, help="also write the table to this file")
@@ -279,13 +240,8 @@ def main(argv: list[str]) -> None:
     for mt, cls in entries:
         r = run_arch(mt, cls, device=args.device, block_size=args.block_size, wide=not args.no_wide)
         results.append(r)
-        print(f"ROW {r.model_type:32s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    table = markdown_table(results, args.block_size, not args.no_wide)
-    print(table)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(table)
+        report.print_row(r)
+    report.print_table(markdown_table(results, args.block_size, not args.no_wide), args.write)
 
 
 if __name__ == "__main__":

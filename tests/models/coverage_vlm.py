@@ -21,13 +21,13 @@ step and again with prefill chunks of 3 tokens (smaller than any image).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
+
+from tests.models import coverage_report as report
 
 NEW = 6
 ENGINE = dict(kv_block_size=4, num_kv_blocks=256, max_model_len=160)
@@ -44,15 +44,6 @@ TEMPLATES = {
     "aya_vision": ("llava", {}),
     "cohere2_vision": ("llava", {}),
 }
-
-
-@dataclass
-class VLMResult:
-    model_type: str
-    class_name: str
-    status: str  # served | fallback | failure | no_build
-    detail: str = ""
-    seconds: float = 0.0
 
 
 def image_text_entries() -> list[tuple[str, str]]:
@@ -113,13 +104,13 @@ class _ConfigAs:
         return getattr(self._config, name)
 
 
-def run_arch(model_type: str, class_name: str) -> VLMResult:
-    from hf_paged import PagedFallbackWarning, release
+def run_arch(model_type: str, class_name: str) -> report.ArchResult:
+    from hf_paged import PagedFallbackWarning
     from hf_paged.integration.fallback import reset_fallback_warnings
     from hf_paged.testing import vlm
 
     t0 = time.perf_counter()
-    res = VLMResult(model_type, class_name, "no_build")
+    res = report.ArchResult(model_type, class_name, "no_build")
     try:
         built = build(model_type)
         model = getattr(built, "_model", built)  # what generate runs on
@@ -128,11 +119,11 @@ def run_arch(model_type: str, class_name: str) -> VLMResult:
         ref = vlm.stock_greedy(built, rows, NEW)
         kw = vlm.batch(built, rows)
     except Exception as e:  # noqa: BLE001  recorded, not counted
-        res.detail = f"{type(e).__name__}: {_short(e)}"
+        res.detail = f"{type(e).__name__}: {report.short(e)}"
         res.seconds = time.perf_counter() - t0
         return res
     reset_fallback_warnings()
-    try:
+    with report.paged_run(res, model, t0):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PagedFallbackWarning)
             out = model.generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
@@ -147,7 +138,7 @@ def run_arch(model_type: str, class_name: str) -> VLMResult:
                 cramped = out[:, kw["input_ids"].shape[1] :].tolist()
                 fell = [w for w in caught if issubclass(w.category, PagedFallbackWarning)]
         if fell:
-            res.status, res.detail = "fallback", _short(str(fell[0].message), 300)
+            res.status, res.detail = "fallback", report.short(str(fell[0].message), 300)
         elif got != ref:
             bad = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
             res.status, res.detail = "failure", f"tokens differ in rows {bad}"
@@ -156,40 +147,20 @@ def run_arch(model_type: str, class_name: str) -> VLMResult:
             res.status, res.detail = "failure", f"prefill chunks of 3: tokens differ in rows {bad}"
         else:
             res.status, res.detail = "served", "identical"
-    except Exception as e:  # noqa: BLE001  a paged call must never raise here
-        res.status, res.detail = "failure", f"{type(e).__name__}: {_short(e)}"
-    finally:
-        release(model)
-    res.seconds = time.perf_counter() - t0
     return res
 
 
-def _short(e, n: int = 160) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def run_all(model_types: list[str] | None = None) -> list[VLMResult]:
+def run_all(model_types: list[str] | None = None) -> list[report.ArchResult]:
     entries = image_text_entries()
     if model_types:
         entries = [e for e in entries if e[0] in model_types]
     return [run_arch(mt, cls) for mt, cls in entries]
 
 
-def summary(results: list[VLMResult]) -> dict[str, int]:
-    counts = {s: 0 for s in ("served", "fallback", "failure", "no_build")}
-    for r in results:
-        counts[r.status] += 1
-    counts["built"] = counts["served"] + counts["fallback"] + counts["failure"]
-    counts["served_pct"] = math.floor(100 * counts["served"] / counts["built"]) if counts[
-        "built"] else 0  # fmt: skip
-    return counts
-
-
-def markdown_table(results: list[VLMResult]) -> str:
+def markdown_table(results: list[report.ArchResult]) -> str:
     import transformers
 
-    c = summary(results)
+    c = report.summary(results)
     lines = [
         f"Image-text-to-text: {c['served']} of {c['built']} architectures that build tiny are "
         f"served identical, {c['fallback']} fall back with a named reason, {c['failure']} fail, "
@@ -197,15 +168,8 @@ def markdown_table(results: list[VLMResult]) -> str:
         f"layers; vision hidden 32), two images and a text-only row, left padded, {NEW} greedy "
         f"tokens, stock each row alone; transformers {transformers.__version__}.",
         "",
-        "| model_type | class | result | detail |",
-        "|---|---|---|---|",
+        *report.table_rows(results),
     ]
-    order = {"served": 0, "failure": 1, "fallback": 2, "no_build": 3}
-    label = {"served": "served", "fallback": "fallback", "failure": "**FAILURE**",
-             "no_build": "not counted: does not build tiny"}  # fmt: skip
-    for r in sorted(results, key=lambda r: (order[r.status], r.model_type)):
-        detail = r.detail.replace("|", "\\|")
-        lines.append(f"| {r.model_type} | {r.class_name} | {label[r.status]} | {detail} |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,13 +185,8 @@ def main(argv: list[str]) -> None:
             continue
         r = run_arch(mt, cls)
         results.append(r)
-        print(f"ROW {r.model_type:28s} {r.status:9s} {r.seconds:5.1f}s {r.detail[:160]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    table = markdown_table(results)
-    print(table)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(table)
+        report.print_row(r)
+    report.print_table(markdown_table(results), args.write)
 
 
 if __name__ == "__main__":

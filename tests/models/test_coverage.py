@@ -19,7 +19,8 @@ import warnings
 import pytest
 import torch
 
-from tests.models.coverage_models import causal_lm_entries, markdown_table, run_all, summary
+from tests.models.coverage_models import causal_lm_entries, markdown_table, run_all
+from tests.models.coverage_report import run_and_print, summary
 
 # ---- on any device --------------------------------------------------------------------------------
 
@@ -41,13 +42,7 @@ MUST_SERVE = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = run_all()
-    table = markdown_table(res)
-    print("\n" + table)
-    (tmp_path_factory.mktemp("coverage") / "coverage.md").write_text(table)
-    return res
+    return run_and_print(run_all, markdown_table, tmp_path_factory.mktemp("coverage"))
 
 
 def test_no_failures(results):

@@ -4,11 +4,10 @@ back with a named reason; none fails. Prints the table (``tests/models/coverage_
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
-from tests.models.coverage_vlm import markdown_table, run_all, summary
+from tests.models.coverage_report import run_and_print, summary
+from tests.models.coverage_vlm import markdown_table, run_all
 
 # measured 2026-12-05 on transformers 5.25: 24 served of the 25 that build tiny (78 do not)
 MIN_SERVED = 20
@@ -19,13 +18,7 @@ MUST_SERVE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "llav
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = run_all()
-    table = markdown_table(res)
-    print("\n" + table)
-    (tmp_path_factory.mktemp("coverage_vlm") / "coverage_vlm.md").write_text(table)
-    return res
+    return run_and_print(run_all, markdown_table, tmp_path_factory.mktemp("coverage_vlm"))
 
 
 def test_no_failures(results):

@@ -35,16 +35,6 @@ def test_truncated_safetensors_names_the_file(ckpt, tmp_path):
     assert "truncated or corrupt" in message
 
 
-def test_hub_id_says_download_first(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # so "meta-llama/Llama-3-8B" is not a local directory here
-    with pytest.raises(ValueError) as err:
-        LLM("meta-llama/Llama-3-8B")
-    message = str(err.value)
-    assert "downloads nothing" in message
-    assert "huggingface-cli download meta-llama/Llama-3-8B" in message
-    assert "local directory" in message
-
-
 def test_missing_local_path_is_not_called_a_hub_id(tmp_path):
     with pytest.raises(ValueError) as err:
         LLM(str(tmp_path / "nowhere"))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged import timings
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.runtime import RuntimeInfo
 from hf_paged.engine.worker.model_runner import ModelRunner
 from hf_paged.engine.worker.runner_output import RunnerOutput
 from hf_paged.engine.worker.runner_spec import RunnerSpec
+from hf_paged.timing import spans
 
 
 class LocalExecutor:
@@ -39,12 +39,12 @@ class LocalExecutor:
 
 
 def create_executor(runtime: RuntimeInfo, model):
-    """The engine's executor, its runner(s) built (timed as ``engine_start``, see timings).
+    """The engine's executor, its runner(s) built (timed as ``engine_start``, see timing/spans.py).
 
     Built outside inference mode whatever the caller's mode: a parameter made an inference
     tensor and then given a shared HF weight (``param.data = ...``) fails in every later
     forward, and the engine outlives the caller's ``torch.inference_mode()`` block."""
-    with timings.span("engine_start"), torch.inference_mode(False):
+    with spans.span("engine_start"), torch.inference_mode(False):
         if runtime.config.tensor_parallel_size == 1:
             return LocalExecutor(runtime, model)
         from hf_paged.engine.worker.tp.executor import TPExecutor

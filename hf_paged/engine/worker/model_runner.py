@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from hf_paged import envs as hf_envs
-from hf_paged import timings
 from hf_paged.attention import select_backend
 from hf_paged.attention.kv_cache import KVCache, KVCacheSpec
 from hf_paged.distributed.communicator import Communicator
@@ -33,7 +32,6 @@ from hf_paged.engine.worker.runner_memory import RunnerMemory
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
 from hf_paged.engine.worker.runner_spec import RunnerSpec, model_name, refusals_named
 from hf_paged.engine.worker.step_inputs import StepEmbeds, StepInputs
-from hf_paged.engine.worker.step_profile import StepProfile
 from hf_paged.layers.context import ModelContext
 from hf_paged.layers.sampler import Sampler, SamplingMetadata
 from hf_paged.models.adapters import LoraManager
@@ -41,6 +39,8 @@ from hf_paged.models.autocast import under
 from hf_paged.models.loader import BaseWeights
 from hf_paged.models.recurrent.state_pool import StatePool
 from hf_paged.models.registry import build_model
+from hf_paged.timing import spans
+from hf_paged.timing.step_profile import StepProfile
 
 _engine_numbers = itertools.count(1)  # names this process's engines in memory errors
 
@@ -84,7 +84,7 @@ class ModelRunner:
         self.ctx = ModelContext(
             backend, self.comm, kv_block_size=self.block_size, max_model_len=self.max_model_len
         )
-        with timings.span("engine_start.model_load"), refusals_named(spec.hf_config):
+        with spans.span("engine_start.model_load"), refusals_named(spec.hf_config):
             self.model = build_model(
                 spec.hf_config, self.ctx, self.dtype, self.device, spec.config.model_impl
             )
@@ -111,15 +111,15 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self.sampler = Sampler(generator) if self.rank == 0 else None
 
-        with timings.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
+        with spans.span("engine_start.warmup"):  # Triton compiles of the prefill kernels
             self.warmup_model()
         self.memory.loaded()
-        with timings.span("engine_start.kv_cache"):
+        with spans.span("engine_start.kv_cache"):
             self.num_kv_blocks = self.allocate_kv_cache()
         refusal = eager_refusal(self.config, self.model, self.attn_backend, self.ctx, self.lora)
         self.cuda_graph_reason = None if refusal is None else refusal.detail
         if self.device.type == "cuda" and self.cuda_graph_reason is None:
-            with timings.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
+            with spans.span("engine_start.cuda_graphs"), self.memory.cuda_graphs():
                 self.capture_cudagraph()  # decode compiles and captures
         self.memory.register(self.kv_cache.nbytes())
 
@@ -228,7 +228,7 @@ class ModelRunner:
         refresh = getattr(self.model, "refresh_weights", None)
         if refresh is None:
             raise NotImplementedError(f"{type(self.model).__name__} has no refresh_weights")
-        with timings.span("engine.refresh_weights"):
+        with spans.span("engine.refresh_weights"):
             return refresh(weights, dry_run=dry_run)
 
     def capture_cudagraph(self) -> None:

@@ -160,15 +160,13 @@ def cmd_run(argv: list[str]) -> int:
     envs.reset("HF_PAGED_BACKEND")  # this process reads them again too (they are read once)
     envs.reset("HF_PAGED_TIMINGS")
     _show_engine_starts()
-    from hf_paged import timings
-    from hf_paged.integration import client_timings
+    from hf_paged.integration import hooks
     from hf_paged.integration.lm_eval import install_lm_eval
 
     # `import hf_paged` installed the generate and pipeline dispatchers for when transformers
-    # loads them (nothing is imported before the program needs it); timings read again here,
-    # as --timings may have set them after that import
-    timings.install()
-    client_timings.install()
+    # loads them (nothing is imported before the program needs it); again here for the timing
+    # hooks, as --timings may have set HF_PAGED_TIMINGS after that import
+    hooks.install_on_import()
     install_lm_eval()  # HFLM's requests on the engine; `--model hf-paged` (when lm-eval is there)
     counter = ServedCounter()
     if report:

@@ -1,5 +1,5 @@
 """The content of stock's cache on the paged route (``cache.py`` says what the contract is):
-``check_passed`` compares a cache passed in with the engine's KV of the same tokens, ``fill``
+``passed_cache_refusal`` compares a cache passed in with the engine's KV of the same tokens, ``fill``
 writes the engine's KV (and a hybrid's states) of a call's rows into stock's cache object, both
 through ``padded_kv``: the rows' KV in the call's padded layout."""
 
@@ -17,7 +17,7 @@ from hf_paged.integration.prepare import PreparedCall
 from hf_paged.refusal import Refusal
 
 
-def check_passed(contract: CacheContract, engine, call: PreparedCall) -> Refusal | None:
+def passed_cache_refusal(contract: CacheContract, engine, call: PreparedCall) -> Refusal | None:
     """None when a passed cache holds the engine's KV (and a hybrid's states) of ``input_ids``'
     first tokens (what this model computes for them), within the dtype's tolerance, at every
     attended position it keeps; else the ``Refusal`` of a cache that holds something else (other
@@ -189,4 +189,4 @@ def _group_kv(engine, rows: list[tuple[list[int], object]]):
     return kv, states
 
 
-__all__ = ["check_passed", "fill", "padded_kv"]
+__all__ = ["passed_cache_refusal", "fill", "padded_kv"]

@@ -143,21 +143,20 @@ def _requests(lm, engine, rows: list[_Row]) -> list[EngineRequest] | Refusal:
     out = []
     for row in rows:
         ids = torch.tensor([row.prompt], dtype=torch.long, device=lm.device)
+        # stock's limit, max_length (the model's generation config may override it, as in
+        # stock); '' is in every text: stock's criterion ends the row at its first token
+        budget = 1 if "" in row.until else row.max_gen_toks
         routed = route(lm.model, {
             "input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "max_length": len(row.prompt) + row.max_gen_toks,
+            "max_length": len(row.prompt) + budget,
             "pad_token_id": lm.tokenizer.pad_token_id, "use_cache": True, **row.kwargs,
         }, lambda: engine, cache=plans)  # fmt: skip
         if not isinstance(routed, Native):
             return _NOT_NATIVE
         req = routed.requests[0]
-        params = req.params
-        if "" in row.until:  # in every text: stock's criterion ends the row at its first token
-            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            req = dataclasses.replace(req, params=params)
-        elif row.stops:
+        if row.stops and "" not in row.until:  # lm-eval's stop rule, not HF's stop strings
             req = dataclasses.replace(
-                req, params=dataclasses.replace(params, stop=row.stops),
+                req, params=dataclasses.replace(req.params, stop=row.stops),
                 stop_strings=until_matcher(lm.tokenizer, row.stops, len(row.prompt)),
             )  # fmt: skip
         out.append(req)

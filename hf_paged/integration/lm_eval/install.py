@@ -33,9 +33,9 @@ import importlib.util
 import sys
 import threading
 
-from hf_paged import timings
 from hf_paged.integration import hooks
 from hf_paged.refusal import Refusal
+from hf_paged.timing import spans
 
 # The request adapters (and through them torch, transformers and the engine) load at the first
 # request, not here: ``hf-paged run`` installs this patch before the program starts, and a
@@ -114,7 +114,7 @@ def _serve(method: str, adapter: str, original, self, requests, **kwargs):
     from hf_paged.integration.lm_eval.serving import is_active
 
     # the request phase of the client's time breakdown, stock and paged alike
-    with timings.span("client.requests"):
+    with spans.span("client.requests"):
         if not is_active(self) or not requests:
             return _stock(original, self, requests, **kwargs)
         module, _, name = adapter.partition(":")
@@ -146,7 +146,7 @@ def _loglikelihood(self, requests, disable_tqdm: bool = False):
     from hf_paged.integration.lm_eval.serving import is_active
 
     original = _originals["loglikelihood"]
-    with timings.span("client.requests"):
+    with spans.span("client.requests"):
         if not requests or not is_active(self):
             return original(self, requests, disable_tqdm=disable_tqdm)
         from hf_paged.integration.lm_eval import loglikelihood as adapter

@@ -27,7 +27,7 @@ def served_refusal(lm) -> Refusal | None:
         return Refusal("data_parallel", f"lm-eval runs {lm.world_size} ranks")
     if getattr(lm, "mixed_precision_dtype", None) is not None:
         return Refusal("autocast", f"mixed_precision_dtype={lm.mixed_precision_dtype}")
-    return servable.precheck(lm.model, {}, {})
+    return servable.generate_refusal(lm.model, {}, {})
 
 
 # prompt-scoring steps: long prompts run in fewer, larger steps (evaluation/results/

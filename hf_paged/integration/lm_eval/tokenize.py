@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from hf_paged import timings
+from hf_paged.timing import spans
 
 # strings of each group that are also encoded by ``lm.tok_encode``; any difference, and the
 # whole call is stock's per-string ``tok_encode``
@@ -50,7 +50,7 @@ def encode_many(
     """
     strings = list(strings)
     distinct = list(dict.fromkeys(strings))
-    with timings.span("client.tokenize"):  # what stock's tok_encode calls count under
+    with spans.span("client.tokenize"):  # what stock's tok_encode calls count under
         encoded = _encode_batched(lm, distinct, add_special_tokens) if _batchable(lm) else None
         if encoded is None:
             encoded = {s: lm.tok_encode(s, add_special_tokens=add_special_tokens) for s in distinct}

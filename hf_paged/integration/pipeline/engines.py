@@ -17,12 +17,12 @@ NOT_FORWARDED = ("backend", "paged_config", *dispatch.NOT_FORWARDED)
 
 @dataclass(frozen=True)
 class EngineTarget:
-    """The engine a batch runs on, and what its calls are prepared and prechecked against."""
+    """The engine a batch runs on, and what its calls are prepared and judged against."""
 
     key: tuple  # batches with the same key share one engine run
     prep_model: object  # what stock's preparation runs on
     hold: Callable  # () -> context manager yielding the engine
-    precheck: Callable  # generate kwargs -> PagedFallback or None
+    generate_refusal: Callable  # generate kwargs -> Refusal or None
 
 
 def engine_key(model, kwargs: dict) -> tuple | None:
@@ -51,12 +51,14 @@ def engine_target(model, kwargs: dict) -> EngineTarget | None:
         return None
     if isinstance(model, PagedModelForCausalLM):
         skeleton = model.skeleton  # on the meta device by design: argument checks only
-        return EngineTarget(key, skeleton, model.hold_engine,
-                     lambda kw: servable.precheck(skeleton, kw, kw, model_checks=False))  # fmt: skip
+        return EngineTarget(
+            key, skeleton, model.hold_engine,
+            lambda kw: servable.generate_refusal(skeleton, kw, kw, model_checks=False),
+        )  # fmt: skip
     # the model's own checks walk its parameters: once per engine (one pipeline call), not per
     # batch (at batch_size 1 they were a third of a 64-prompt call's time on the H200)
     model_refusal = functools.cache(lambda: servable.model_refusal(model))
     return EngineTarget(
         key, model, lambda: dispatch.hold_engine(model, key[1]),
-        lambda kw: servable.precheck(model, kw, kw, model_checks=False) or model_refusal(),
+        lambda kw: servable.generate_refusal(model, kw, kw, model_checks=False) or model_refusal(),
     )  # fmt: skip

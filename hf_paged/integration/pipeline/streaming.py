@@ -211,7 +211,7 @@ class BatchStream:
         own forward. Raises what stock's preparation of the call raises."""
         kwargs = {k: v for k, v in item.kwargs.items() if k not in NOT_FORWARDED}
         native = None
-        if kwargs.get("input_ids") is not None and target.precheck(item.kwargs) is None:
+        if kwargs.get("input_ids") is not None and target.generate_refusal(item.kwargs) is None:
             try:
                 native = route(target.prep_model, kwargs, lambda: engine, cache=self._plans)
             except PagedFallback:

@@ -102,9 +102,9 @@ _NOT_CAUSAL_MAPPINGS = (
 )  # fmt: skip
 
 
-def checkpoint_class_reason(hf_config) -> str | None:
+def checkpoint_class_refusal(hf_config) -> Refusal | None:
     """Why a checkpoint directory is no causal LM by the class it was saved as
-    (``config.architectures[0]``, e.g. ``BertModel``), or None. Only for checkpoints on disk:
+    (``config.architectures[0]``, e.g. ``BertModel``; reason "architecture"), or None. Only for checkpoints on disk:
     an in-memory model is judged by its own class, whatever its config names.
 
     Loading such a checkpoint as its family's causal LM (``BertLMHeadModel``) would start from
@@ -125,11 +125,11 @@ def checkpoint_class_reason(hf_config) -> str | None:
     for mapping in _NOT_CAUSAL_MAPPINGS:
         classes = getattr(modeling_auto, mapping, {}).values()
         if any(name == c or (isinstance(c, tuple) and name in c) for c in classes):
-            return (
+            return Refusal("architecture", (
                 f"{name!r} is not a transformers causal LM (the checkpoint was saved as "
                 f"{name}, not in MODEL_FOR_CAUSAL_LM_MAPPING): it has no next-token head to "
                 "generate with"
-            )
+            ))  # fmt: skip
     return None
 
 
@@ -137,10 +137,10 @@ def static_refusal(hf_config) -> Refusal | None:
     """Why the generic path refuses ``hf_config`` without building it (reason "architecture"),
     or None. What depends on the engine's ``max_model_len`` (``length_refusal``) is checked when
     the model is built."""
-    return _config_refusal(hf_config) or _unverified_image_text(hf_config)
+    return _config_refusal(hf_config) or _unverified_image_text_refusal(hf_config)
 
 
-def _unverified_image_text(hf_config) -> Refusal | None:
+def _unverified_image_text_refusal(hf_config) -> Refusal | None:
     """Why a vision-language family the paged path has not been checked on runs stock."""
     cls = image_text_class(hf_config)
     model_type = getattr(hf_config, "model_type", None)

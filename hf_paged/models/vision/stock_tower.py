@@ -243,7 +243,7 @@ class StockVisionTower:
                 "pixel_values": torch.cat([d["pixel_values"] for d in items]),
                 "image_grid_thw": torch.cat([d["image_grid_thw"] for d in items]),
             }
-        return {k: _cat_padded([d[k] for d in items]) for k in items[0]}
+        return {k: cat_padded([d[k] for d in items]) for k in items[0]}
 
 
 def _per_image(deep, sizes: list[int]):
@@ -255,7 +255,7 @@ def _per_image(deep, sizes: list[int]):
             for layer in deep]  # fmt: skip
 
 
-def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate on dim 0, zero-padding the other dims to the largest (the processor's own
     batch padding, which the towers cut off by each image's size)."""
     shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]

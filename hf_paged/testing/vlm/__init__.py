@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.models.vision.stock_tower import cat_padded
 from hf_paged.testing.hybrid_configs import HYBRID_TINY
 from hf_paged.testing.models import randomize_
 
@@ -178,17 +179,7 @@ def batch(model, rows: list[list]) -> dict:
         return out
     for key in flat[0].tensors:
         parts = [img.tensors[key] for img in flat]
-        out[key] = _pad_cat(parts)
-    return out
-
-
-def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = parts[0].new_zeros(sum(p.shape[0] for p in parts), *shape)
-    at = 0
-    for p in parts:
-        out[(slice(at, at + p.shape[0]), *(slice(0, s) for s in p.shape[1:]))] = p
-        at += p.shape[0]
+        out[key] = cat_padded(parts)  # the processor's own batch padding
     return out
 
 
@@ -214,11 +205,17 @@ def paged_greedy(model, rows: list[list], new_tokens: int, config: dict = ENGINE
                  **kwargs) -> list[list[int]]:  # fmt: skip
     """``generate(backend="paged")`` greedy on ``rows`` (one left-padded batch): each row's new
     tokens. Fails on a fallback to stock."""
+    return paged_tokens(model, batch(model, rows), new_tokens, config, **kwargs)
+
+
+def paged_tokens(model, kw: dict, new_tokens: int, config: dict = ENGINE,
+                 **kwargs) -> list[list[int]]:  # fmt: skip
+    """``paged_greedy`` on a batch's ``generate`` keywords as given (``batch``'s, or a copy
+    without some of them). Fails on a fallback to stock."""
     import warnings
 
     from hf_paged.testing.parity import fallback_warnings
 
-    kw = batch(model, rows)
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         out = model.generate(**kw, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -227,3 +224,16 @@ def paged_greedy(model, rows: list[list], new_tokens: int, config: dict = ENGINE
     msgs = fallback_warnings(records)
     assert not msgs, msgs
     return out[:, kw["input_ids"].shape[1] :].tolist()
+
+
+def mixed_rows(model, wide: bool = True) -> list[list]:
+    """Five rows: three images (the third wide where ``wide``: another size), text of different
+    lengths, a text-only row, and row 0's ids with row 1's image (the image reaches the text)."""
+    a, b, c = image(model, 1), image(model, 2), image(model, 3, wide=wide)
+    return [
+        [[5, 6, 7], a, [8, 9]],
+        [[10], b, [11, 12, 13, 14, 15, 16]],
+        [[20, 21], c, [22]],
+        [[30, 31, 32, 33]],
+        [[5, 6, 7], b, [8, 9]],
+    ]

@@ -24,7 +24,7 @@ def main() -> None:
         return
     import torch
 
-    from hf_paged.benchmarks.workloads import build_random_model
+    from hf_paged.benchmarks.random_models import build_random_model
 
     model = build_random_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16)
     model.save_pretrained(args.out)

@@ -19,7 +19,8 @@ def main() -> None:
     p.add_argument("--dtype", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    from hf_paged import LLM, SamplingParams, timings
+    from hf_paged import LLM, SamplingParams
+    from hf_paged.timing import spans
 
     imported = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype)
@@ -32,7 +33,7 @@ def main() -> None:
            "build_to_first_token_s": first - imported, "first_request_s": first - built,
            "num_kv_blocks": llm.stats["num_kv_blocks"],
            "cuda_graphs": llm.engine.executor.runner.graph_runner is not None,
-           "spans": timings.snapshot()["spans"]}  # fmt: skip
+           "spans": spans.snapshot()["spans"]}  # fmt: skip
     llm.close()
     with open(args.out, "w") as f:
         json.dump(doc, f)

@@ -1,4 +1,5 @@
-"""Subprocess plumbing of the CLI and examples tests: python from the repo root, read back."""
+"""Plumbing of the CLI and examples tests: python from the repo root, read back; and the
+command run in this process (``run_cli``)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
         proc.kill()
         out, err = proc.communicate()
     return proc.returncode, out, err
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``hf-paged ARGV`` (``main(argv)``) in this process: ``(exit code, stdout, stderr)``."""
+    from hf_paged.entrypoints.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.entrypoints.cli import main
 from hf_paged.integration import dispatch
 from hf_paged.testing import save_checkpoint
-from tests.entrypoints.cli.procs import REPO, finish, start_python
+from tests.entrypoints.cli.procs import REPO, finish, run_cli, start_python
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--kv-block-size", "4", "--device", "cpu"]
 PLAIN = os.path.join("examples", "plain_script.py")
@@ -45,16 +44,6 @@ def plain_procs(ckpt):
 @pytest.fixture(scope="module")
 def plain_runs(plain_procs):
     return {name: finish(p) for name, p in plain_procs.items()}
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    """``main(argv)`` in this process: ``(exit code, stdout, stderr)``."""
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---- generate -----------------------------------------------------------------------------------

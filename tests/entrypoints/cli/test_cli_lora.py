@@ -14,21 +14,11 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_paged import LLM, LoRARequest, SamplingParams  # noqa: E402
-from hf_paged.entrypoints.cli import main  # noqa: E402
 from hf_paged.testing import save_checkpoint  # noqa: E402
+from tests.entrypoints.cli.procs import run_cli  # noqa: E402
 
 ENGINE = dict(num_kv_blocks=64, kv_block_size=4, device="cpu")
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--kv-block-size", "4", "--device", "cpu"]
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    """``main(argv)`` in this process: ``(exit code, stdout, stderr)``."""
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hf_paged import LLM, SamplingParams
-from hf_paged.entrypoints.cli import build_parser, main
+from hf_paged.entrypoints.cli import build_parser
 from hf_paged.testing import save_demo_model
-from tests.entrypoints.cli.procs import REPO
+from tests.entrypoints.cli.procs import REPO, run_cli
 
 SMALL = ["--num-kv-blocks", "32", "--kv-block-size", "4", "--device", "cpu"]
 
@@ -38,15 +38,6 @@ def xlm(tmp_path_factory, ckpt):
     shutil.copy(f"{ckpt}/tokenizer.json", path)
     shutil.copy(f"{ckpt}/tokenizer_config.json", path)
     return str(path)
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _lines(text: str) -> list[str]:

@@ -1,5 +1,5 @@
 """``hf-paged run --timings FILE [--backend hf]``: the same client phases recorded for a stock
-run and a paged run of one unmodified script, and ``hf_paged/benchmarks/breakdown.py``'s table
+run and a paged run of one unmodified script, and ``hf_paged/timing/breakdown.py``'s table
 of them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-from hf_paged.benchmarks.breakdown import phases, table
 from hf_paged.testing import save_demo_model
+from hf_paged.timing.breakdown import phases, table
 from tests.entrypoints.cli.procs import finish, start_python
 
 SCRIPT = textwrap.dedent(

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install hf-paged[lm_eval])")
 
-from hf_paged.benchmarks.lm_eval_tasks import run_side_by_side, subprocess_env  # noqa: E402
+from hf_paged.benchmarks.lm_eval_tasks import check_served, run_side_by_side, subprocess_env  # noqa: E402
 from hf_paged.integration.lm_eval.scoring import score_window  # noqa: E402
 from hf_paged.testing import save_demo_model  # noqa: E402
 
@@ -143,12 +143,8 @@ def runs(tmp_path_factory):
     cmds = {name: lm_eval_cmd(model, tasks, os.path.join(root, name), paged)
             for name, paged in (("stock", False), ("paged", True))}  # fmt: skip
     runs = run_side_by_side(cmds, subprocess_env(ROOT), root, root, timeout=300)
-    for name, (rc, text) in runs.items():
-        assert rc == 0, f"{name} lm_eval failed:\n{text[-3000:]}"
-        if name == "paged":
-            assert "PagedFallbackWarning" not in text, text[-3000:]
-            for kind in ("generate_until", "loglikelihood"):
-                assert f"Running {kind} requests (paged)" in text  # served by the engine
+    check_served(runs, tuple(f"Running {kind} requests (paged)"
+                             for kind in ("generate_until", "loglikelihood")))  # fmt: skip
     return os.path.join(root, "stock"), os.path.join(root, "paged")
 
 

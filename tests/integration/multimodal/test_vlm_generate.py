@@ -23,6 +23,7 @@ from hf_paged.testing.vlm import (
     build_tiny_vlm,
     expand,
     image,
+    mixed_rows,
     paged_greedy,
     stock_greedy,
 )
@@ -40,14 +41,7 @@ def vlm(request):
     """(model, rows, stock's tokens of each row alone): three images of two sizes, text of
     different lengths, a text-only row, and row 0's ids with row 1's image."""
     model = build_tiny_vlm(request.param)
-    a, b, c = image(model, 1), image(model, 2), image(model, 3, wide=True)
-    rows = [
-        [[5, 6, 7], a, [8, 9]],
-        [[10], b, [11, 12, 13, 14, 15, 16]],
-        [[20, 21], c, [22]],
-        [[30, 31, 32, 33]],
-        [[5, 6, 7], b, [8, 9]],
-    ]
+    rows = mixed_rows(model)
     yield model, rows, stock_greedy(model, rows, NEW)
     dispatch.release(model)
 

@@ -55,6 +55,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "mamba_norm_before_gate": False}),
     "lfm2": ("lfm2", "Lfm2ShortConv", {
         **_ATTN, "conv_L_cache": 3, "conv_bias": True, "layer_types": ["conv", "full_attention"]}),
+    "lfm2_no_bias": ("lfm2", "Lfm2ShortConv", {
+        **_ATTN, "conv_L_cache": 3, "conv_bias": False, "layer_types": ["conv", "full_attention"]}),
     "recurrent_gemma": ("recurrent_gemma", "RecurrentGemmaRecurrentBlock", {
         **_ATTN, "head_dim": 16, "lru_width": 96, "conv1d_width": 4,
         "block_types": ["recurrent", "attention"]}),
@@ -254,4 +256,6 @@ def mixer_for(family: str, module: nn.Module):
         return MambaMixer.from_hf(module)
     if family in MAMBA2:
         return Mamba2Mixer.from_hf(module)
-    return {"lfm2": ShortConvMixer, "recurrent_gemma": RGLRUMixer}[family].from_hf(module)
+    if family.startswith("lfm2"):
+        return ShortConvMixer.from_hf(module)
+    return {"recurrent_gemma": RGLRUMixer}[family].from_hf(module)

@@ -1,6 +1,6 @@
-"""Mamba 2 on the engine's step == the stock mixers of Mamba2, Bamba, GraniteMoeHybrid,
-Nemotron-H and Falcon-H1 (three norm modes) (fp32, CPU): whole prompt, chunked prefill, a mixed
-step, decode after prefill; and the chunked SSD == its own per-token recurrence."""
+"""Mamba 2's mixer (Mamba2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 in three norm modes):
+its state shapes, what it refuses, and the chunked SSD == its own per-token recurrence. Its
+parity with stock on every step shape is ``test_mixers.py``'s, with every family's."""
 
 from __future__ import annotations
 
@@ -11,46 +11,17 @@ from hf_paged.models.recurrent.mamba2 import Mamba2Mixer
 from hf_paged.models.recurrent.ssd import ssd_chunked, ssd_step
 from tests.models.recurrent.ssm_cases import (
     MAMBA2,
-    build_module,
-    check_chunked,
-    check_decode,
-    check_mixed,
-    check_whole,
     close,
 )
 
 
-@pytest.fixture(scope="module", params=MAMBA2)
-def case(request):
-    module, config = build_module(request.param)
-    return Mamba2Mixer.from_hf(module, config), module, config
-
-
+@pytest.mark.parametrize("case", MAMBA2, indirect=True)
 def test_state_specs(case):
     mixer, _, _ = case
     conv, rec = mixer.state_specs()
     # conv over x (128) and B, C (2 groups x 8)
     assert (conv.name, conv.shape, conv.dtype) == ("conv", (160, 3), torch.float32)
     assert (rec.name, rec.shape, rec.dtype) == ("recurrent", (8, 16, 8), torch.float32)
-
-
-def test_whole_prompt(case):
-    check_whole(*case[:2])
-
-
-def test_chunked_prefill(case):
-    mixer, module, _ = case
-    # chunk 8 is the SSD block: 16 crosses blocks, 3 and 1 end inside them
-    check_chunked(mixer, module, [1, 3, mixer.kernel - 1, mixer.kernel, 16])
-
-
-@pytest.mark.parametrize("order", ["prefills_first", "interleaved"])
-def test_mixed_step(case, order):
-    check_mixed(*case[:2], order)
-
-
-def test_decode_after_prefill(case):
-    check_decode(*case)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 5, 64])

@@ -1,6 +1,9 @@
-"""The SSM / conv / RG-LRU mixers on one GPU (fp32, TF32 off): the four stock oracles on CUDA
-for every family, and a decode-only step captured in a CUDA graph with persistent slot-index
-buffers == the same step eager, replayed with other slots (one of them the dummy slot 0)."""
+"""Every SSM / conv / RG-LRU mixer on the engine's step == its stock module (fp32; TF32 off on
+CUDA), on the CPU and on one GPU: whole prompt (and a one-token prompt), chunked prefill, a
+mixed step, decode after prefill; on the GPU also a decode-only step captured in a CUDA graph
+with persistent slot-index buffers == the same step eager, replayed with other slots (one of
+them the dummy slot 0). Each family's own facts (state shapes, what it refuses) stay in its
+file."""
 
 from __future__ import annotations
 
@@ -11,19 +14,18 @@ from tests.models.recurrent.ssm_cases import (
     FAMILIES,
     HIDDEN,
     Pool,
-    build_module,
     check_chunked,
     check_decode,
     check_mixed,
     check_whole,
     close,
     make_meta,
-    mixer_for,
 )
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CPU_CASES = [pytest.param(f, id=f"{f}-cpu") for f in FAMILIES]
+GPU_CASES = [pytest.param((f, "cuda"), id=f"{f}-cuda", marks=ON_GPU) for f in FAMILIES]
+CASES = CPU_CASES + GPU_CASES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,22 +37,31 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def case(request):
-    module, config = build_module(request.param)
-    module = module.cuda()
-    return mixer_for(request.param, module), module, config
+@pytest.mark.parametrize("case", CASES, indirect=True)
+@pytest.mark.parametrize("length", [37, 1])
+def test_whole_prompt(case, length):
+    check_whole(*case[:2], length=length)
 
 
-def test_oracles_cuda(case):
-    mixer, module, config = case
-    check_whole(mixer, module)
-    check_chunked(mixer, module, [1, mixer.kernel, 16])
-    check_mixed(mixer, module)
-    check_mixed(mixer, module, "interleaved")
-    check_decode(mixer, module, config)
+@pytest.mark.parametrize("case", CASES, indirect=True)
+def test_chunked_prefill(case):
+    mixer, module, _ = case
+    # Mamba 2's SSD block is 8: 16 crosses blocks, 3 and 1 end inside them
+    check_chunked(mixer, module, [1, 3, mixer.kernel - 1, mixer.kernel, 16])
 
 
+@pytest.mark.parametrize("case", CASES, indirect=True)
+@pytest.mark.parametrize("order", ["prefills_first", "interleaved"])
+def test_mixed_step(case, order):
+    check_mixed(*case[:2], order)
+
+
+@pytest.mark.parametrize("case", CASES, indirect=True)
+def test_decode_after_prefill(case):
+    check_decode(*case)
+
+
+@pytest.mark.parametrize("case", GPU_CASES, indirect=True)
 @torch.no_grad()
 def test_decode_cuda_graph(case):
     mixer, _, _ = case

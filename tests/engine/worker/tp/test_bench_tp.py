@@ -8,21 +8,13 @@ again on top of the worker's.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 
-EVALUATION = Path(__file__).resolve().parents[4] / "evaluation"
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", EVALUATION / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.evaluation_scripts import load_evaluation_script
 
 
 def only_result(out_dir: Path, pattern: str) -> dict:
@@ -43,7 +35,7 @@ def test_throughput_smoke_tp2(dirs):
     out, tmp = dirs
     argv = ["--smoke", "--tensor-parallel-size", "2", "--systems", "stock", "llm", "dispatch",
             "--check-agreement", "8", "--out-dir", str(out), "--tmp-dir", str(tmp)]  # fmt: skip
-    load_bench("bench_throughput").main(argv)
+    load_evaluation_script("bench_throughput").main(argv)
     doc = only_result(out, "throughput_W1_*.json")
     assert doc["tensor_parallel_size"] == 2
     rows = {r["system"]: r for r in doc["systems"]}
@@ -58,7 +50,7 @@ def test_latency_smoke_tp2(dirs):
     out, tmp = dirs
     argv = ["--smoke", "--tensor-parallel-size", "2", "--systems", "llm", "dynamic",
             "--repeats", "1", "--out-dir", str(out), "--tmp-dir", str(tmp)]  # fmt: skip
-    load_bench("bench_latency").main(argv)
+    load_evaluation_script("bench_latency").main(argv)
     doc = only_result(out, "latency_*.json")
     assert doc["tensor_parallel_size"] == 2
     rows = {r["system"]: r for r in doc["systems"]}

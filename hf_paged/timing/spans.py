@@ -97,7 +97,7 @@ def process_uptime() -> float | None:
 
 
 def install() -> None:
-    """Called at the end of ``import hf_paged``: with the switch on, import torch and
+    """Called by ``timing.install`` (``import hf_paged``, ``hf-paged run``): with the switch on, import torch and
     transformers (noting when that is done), time transformers' ``from_pretrained`` and write
     the record at exit. Once per process; nothing when the switch is off."""
     global _installed, _imports_s

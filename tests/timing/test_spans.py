@@ -9,8 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from hf_paged import timings
 from hf_paged.testing import save_demo_model
+from hf_paged.timing import spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = textwrap.dedent(
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
 
 def test_a_process_writes_its_breakdown_at_exit(tmp_path):
     model = save_demo_model(str(tmp_path / "m"))
-    record = tmp_path / "timings.jsonl"
+    record = tmp_path / "spans.jsonl"
     env = dict(os.environ, PYTHONPATH=REPO, HF_PAGED_TIMINGS=str(record), OMP_NUM_THREADS="1")
     for _ in range(2):  # two processes append two lines
         subprocess.run([sys.executable, "-c", SCRIPT, model], env=env, check=True, timeout=120)
@@ -45,8 +45,8 @@ def test_a_process_writes_its_breakdown_at_exit(tmp_path):
 
 
 def test_off_by_default_records_nothing():
-    assert not timings.enabled()
-    with timings.span("x"):
+    assert not spans.enabled()
+    with spans.span("x"):
         pass
-    timings.add("y", 1.0)
-    assert timings.snapshot()["spans"] == {}
+    spans.add("y", 1.0)
+    assert spans.snapshot()["spans"] == {}

@@ -1,9 +1,9 @@
 """Two processes' time breakdowns side by side: a stock run and a paged run of the same client,
 each recorded with ``hf-paged run --timings FILE [--backend hf]`` (or ``HF_PAGED_TIMINGS``).
-``evaluation/breakdown.py`` tables two record files; the client suite (``CLIENTS_BREAKDOWN=1``)
-tables each client's pair.
+``python -m hf_paged.timing.breakdown STOCK.jsonl PAGED.jsonl`` (or ``evaluation/breakdown.py``)
+tables two record files; the client suite (``CLIENTS_BREAKDOWN=1``) tables each client's pair.
 
-Phases, in seconds (``hf_paged/integration/client_timings.py`` says what each span covers):
+Phases, in seconds (``client.py`` says what each span covers):
 
     imports        process start to torch and transformers imported
     model load     transformers' from_pretrained
@@ -25,6 +25,7 @@ it to is ours <= stock's + ``SLACK_S``.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def _span(record: dict, name: str) -> float:
 
 
 def phases(record: dict) -> dict[str, float]:
-    """The phases of one process's record (``timings.snapshot()``), seconds."""
+    """The phases of one process's record (``spans.snapshot()``), seconds."""
     wall = float(record.get("wall_s") or record.get("uptime_s") or 0.0)
     paged = "engine.step_total" in record["spans"] or "engine_start" in record["spans"]
     model = _span(record, "engine.step_total") if paged else _span(record, "model.stock")
@@ -92,3 +93,27 @@ def side_by_side(stock_record: dict, paged_record: dict) -> dict:
     diff = paged["outside model work"] - stock["outside model work"]
     return {"stock": stock, "paged": paged, "table": table(stock, paged),
             "outside_model_work_diff_s": diff, "within_slack": diff <= SLACK_S}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``STOCK.jsonl PAGED.jsonl [--md OUT.md] [--json OUT.json]``: print the table of the last
+    record of each file, and write it (``--md``) and both phase dicts (``--json``)."""
+    ap = argparse.ArgumentParser(description="two processes' time breakdowns side by side")
+    ap.add_argument(
+        "stock", help="the stock run's record file (hf-paged run --timings F --backend hf)"
+    )
+    ap.add_argument("paged", help="the paged run's record file (hf-paged run --timings F)")
+    ap.add_argument("--md", help="also write the table to this file")
+    ap.add_argument("--json", help="also write both phase dicts to this file")
+    args = ap.parse_args(argv)
+    both = side_by_side(last_record(args.stock), last_record(args.paged))
+    print(both["table"])
+    if args.md:
+        Path(args.md).write_text(both["table"] + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"stock": both["stock"], "paged": both["paged"]},
+                                              indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

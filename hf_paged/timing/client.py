@@ -2,8 +2,8 @@
 
 With ``HF_PAGED_TIMINGS`` set (``hf-paged run --timings FILE``; ``--backend hf`` runs the
 program stock under the same hooks), the functions below are wrapped when their module is first
-imported, so both processes split their wall time the same way (``evaluation/breakdown.py``
-turns two records into one table):
+imported, so both processes split their wall time the same way (``breakdown.py`` turns two
+records into one table):
 
 * ``client.setup``: lm-eval's task index and request building;
 * ``client.tokenize``: the tokenizer calls of lm-eval's HFLM and of the pipeline's preprocess;
@@ -16,16 +16,16 @@ turns two records into one table):
 * ``client.results``: lm-eval's ``process_results`` and the writing of its result files;
   the pipeline's ``postprocess``.
 
-A span nested in one of the same name counts once (``timings.span``), so ``generate`` inside a
+A span nested in one of the same name counts once (``spans.span``), so ``generate`` inside a
 pipeline call is not counted twice under ``client.requests``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
-from hf_paged import timings
-from hf_paged.integration import hooks
+from hf_paged.timing import spans
 
 # module -> [(class name, method name, span)]
 _WRAPPED: dict[str, list[tuple[str, str, str]]] = {
@@ -54,16 +54,17 @@ _WRAPPED: dict[str, list[tuple[str, str, str]]] = {
 _installed = False
 
 
-def install() -> None:
-    """Wrap the client functions above as their modules load (once; nothing when the
-    timings switch is off). lm-eval's request methods that the paged patch replaces are timed
-    by the patch itself (``lm_eval/install.py``), on both backends."""
+def install(after_import: Callable[[str, Callable], None]) -> None:
+    """Wrap the client functions above as their modules load, through ``after_import(module,
+    callback)`` (once; nothing when the timings switch is off). lm-eval's request methods that
+    the paged patch replaces are timed by the patch itself (``integration/lm_eval/install.py``),
+    on both backends."""
     global _installed
-    if _installed or not timings.enabled():
+    if _installed or not spans.enabled():
         return
     _installed = True
     for module in _WRAPPED:
-        hooks.after_import(module, _wrap_module)
+        after_import(module, _wrap_module)
 
 
 def _wrap_module(module) -> None:
@@ -78,7 +79,7 @@ def _wrap_module(module) -> None:
 def _spanned(fn, name: str):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
-        with timings.span(name):
+        with spans.span(name):
             return fn(*args, **kwargs)
 
     timed._hf_paged_span = name

@@ -1,9 +1,9 @@
-"""``hf_paged/benchmarks/breakdown.py``: the phases of a stock and a paged timing record, the
+"""``hf_paged/timing/breakdown.py``: the phases of a stock and a paged timing record, the
 table of both and ours minus stock's outside model work, on hand-made records."""
 
 from __future__ import annotations
 
-from hf_paged.benchmarks.breakdown import SLACK_S, phases, side_by_side, table
+from hf_paged.timing.breakdown import SLACK_S, phases, side_by_side, table
 
 
 def _record(uptime_s: float, spans: dict[str, float]) -> dict:
