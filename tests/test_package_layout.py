@@ -10,7 +10,7 @@ no arrow runs back up. Imports made by name at run time (``importlib.import_modu
 arrows: they are how the lazy registries and ``import hf_paged``'s hooks stay light.
 
 A folder is a room: none holds over 15 modules (a folder of one-file-per-family model adapters
-excepted), and ``engine/core/`` (the plain-data side of the engine) imports no torch, neither
+excepted), no module outside ``kernels/`` runs over 400 lines, and ``engine/core/`` (the plain-data side of the engine) imports no torch, neither
 itself nor through another module of the package it imports.
 """
 
@@ -166,6 +166,19 @@ def test_no_folder_holds_over_15_modules():
         f"folders over {MAX_MODULES_PER_FOLDER} modules (a folder this full holds two rooms):\n"
         + "\n".join(crowded)
     )
+
+
+MAX_MODULE_LINES = 400  # kernels/ excepted: a Triton kernel and its launcher read as one
+
+
+def test_no_module_over_400_lines_outside_kernels():
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if "kernels" not in p.relative_to(PACKAGE).parts
+        and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "modules over 400 lines (split by concept):\n" + "\n".join(long)
 
 
 def _reached(graph: dict[str, set[str]], start: set[str]) -> dict[str, str]:

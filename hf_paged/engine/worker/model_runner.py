@@ -27,6 +27,7 @@ from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.worker import runner_memory
 from hf_paged.engine.worker.cuda_graph import eager_refusal
+from hf_paged.engine.worker.kv_budget import too_few_kv_blocks
 from hf_paged.engine.worker.prompt_scores import score_prompt_rows
 from hf_paged.engine.worker.runner_memory import RunnerMemory
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
@@ -197,19 +198,9 @@ class ModelRunner:
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
         if error is not None:
             raise error
-        need = -(-self.max_model_len // self.block_size)
-        if num_blocks < need:
-            where = (
-                f"another rank of this engine holds only {num_blocks} KV blocks (its own error "
-                "says why)"
-                if own >= need
-                else f"the KV cache holds {num_blocks} blocks"
-            )
-            raise ValueError(
-                f"{where} of {self.block_size} tokens ({block_bytes} bytes each) but "
-                f"max_model_len={self.max_model_len} needs {need}: raise num_kv_blocks / "
-                "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
-            )
+        mm = self.max_model_len
+        if too_few := too_few_kv_blocks(num_blocks, own, block_bytes, self.block_size, mm):
+            raise too_few
         self._set_kv_cache(num_blocks)
         return num_blocks
 
