@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_paged.kernels.lora_per_token import lora_per_token
 from hf_paged.kernels.lora_segmented import LoraSegments, segmented_lora, supports
 from hf_paged.models.peft import LORA_TARGETS
 
@@ -35,6 +36,10 @@ class LoraStep:
         self.segments: LoraSegments | None = None
         self.uniform_slot: int | None = None  # every token under this one slot
         self.token_slots: torch.Tensor | None = None  # [T] int64; no adapter: the zero slot
+        # CUDA decode steps: each token's slot on the device ([T] int32, -1: no adapter), read
+        # by the per-token kernels (``kernels/lora_per_token.py``); a decode graph's static
+        # buffer while it is captured. Set: the layers read nothing else.
+        self.decode_slots: torch.Tensor | None = None
 
 
 # up to this many tokens a step's deltas are dense matmuls over every slot on the CPU (no
@@ -97,13 +102,16 @@ class LayerLora:
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` [..., out] plus each token's delta; ``x`` [..., in]."""
         step = self.step
-        if step.segments is None:
+        if step.segments is None and step.decode_slots is None:
             return out
         xs = x.reshape(-1, x.shape[-1])
         o2 = out.reshape(-1, out.shape[-1])  # a view (the base output is contiguous)
         if xs.dtype != self.a_all.dtype:  # PEFT casts the input to the adapter's dtype
             xs = xs.to(self.a_all.dtype)
-        if step.uniform_slot is not None:
+        if step.decode_slots is not None:  # no host-side grouping: graph-capturable
+            for s in self.slices:
+                lora_per_token(xs, o2, s.a, s.b, s.scales, step.decode_slots, s.offset)
+        elif step.uniform_slot is not None:
             self._uniform(xs, o2, step.uniform_slot)
         elif supports(xs) or xs.shape[0] > GATHER_MAX_TOKENS:
             for s in self.slices:
