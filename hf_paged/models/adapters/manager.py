@@ -52,6 +52,8 @@ class LoraManager:
         # decode steps through the per-token kernels (CUDA with triton): what lets decode
         # graphs capture the LoRA ops (``engine/worker/cuda_graph.py``)
         self.per_token = per_token_available(self.device)
+        self._decode_host: list[int] | None = None  # the last decode step's slots
+        self._decode_dev: torch.Tensor | None = None  # ... on the device
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # key -> device slot, LRU
 
     # ---- registration --------------------------------------------------------------------
@@ -130,7 +132,10 @@ class LoraManager:
         slot = {k: self._slot(k, keys) for k in keys}
         if self.per_token and all(len(c.token_ids) == 1 for c in chunks):  # a decode step
             slots = [slot[c.lora_key] if c.lora_key is not None else -1 for c in chunks]
-            self.step.decode_slots = torch.tensor(slots, dtype=torch.int32).to(self.device)
+            if slots != self._decode_host:  # decode steps repeat their slots: one copy
+                self._decode_host = slots
+                self._decode_dev = torch.tensor(slots, dtype=torch.int32).to(self.device)
+            self.step.decode_slots = self._decode_dev
             return
         if len(keys) == 1 and all(c.lora_key is not None for c in chunks):
             # one adapter for every token: the layers need nothing else (``LayerLora._uniform``)
