@@ -13,6 +13,7 @@ output (a row-parallel layer's after its all-reduce), which is why the engine se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,8 @@ class SlotOperands:
     slices: tuple  # per adapted slice: (first y column, rank, B^T [r, size], scaling, columns)
     # one expand for every slice (one slice, or a small fused layer on the CPU): B^T [sum r, out]
     # (block-diagonal over the slices; exact zeros elsewhere) and the scaling per output column
-    # (a 0-dim tensor for one slice); None: per slice
+    # (a 0-dim tensor for one slice; None: every scaling a power of two, folded into B^T);
+    # b_t None: per slice (whose scaling is None where folded)
     b_t: torch.Tensor | None
     scales: torch.Tensor | None
 
@@ -132,12 +134,14 @@ class LayerLora:
         y = torch.mm(xs, ops.a_t)  # [T, sum r]
         if ops.b_t is not None and (len(ops.slices) == 1 or xs.shape[0] <= GATHER_MAX_TOKENS):
             delta = torch.mm(y, ops.b_t)  # [T, out]
-            delta.mul_(ops.scales)
+            if ops.scales is not None:
+                delta.mul_(ops.scales)
             o2[:, self.first : self.last].add_(delta)
             return
         for first, r, b_t, scale, cols in ops.slices:
             delta = torch.mm(y[:, first : first + r], b_t)  # [T, size]
-            delta.mul_(scale)
+            if scale is not None:
+                delta.mul_(scale)
             o2[:, cols].add_(delta)
 
     def _dense(self, xs, o2, token_slots) -> None:
@@ -178,12 +182,17 @@ class LayerLora:
         parts, first = [], 0
         for s, r in live:
             cols = slice(s.offset, s.offset + s.size)
-            b_t = s.b[slot, :, :r].contiguous().T  # PEFT's lora_B layout: its BLAS kernels
-            parts.append((first, r, b_t, s.scale_values[slot], cols))
+            b, scale = s.b[slot, :, :r], s.scale_values[slot]
+            if _power_of_two(scale):  # folded into B: the same bits, one op less per step
+                b, scale = b * scale, None
+            b_t = b.contiguous().T  # [r, size], PEFT's lora_B layout: its BLAS kernels
+            parts.append((first, r, b_t, scale, cols))
             first += r
         out = self.last - self.first
         if len(live) == 1 and live[0][0].size == out:  # one slice: its own B, its scaling
-            scale = torch.tensor(parts[0][3], dtype=torch.float32, device=a_t.device)
+            scale = parts[0][3]
+            if scale is not None:
+                scale = torch.tensor(scale, dtype=torch.float32, device=a_t.device)
             return SlotOperands(a_t, tuple(parts), parts[0][2], scale)
         if self.a_all.device.type != "cpu" or first * out > BLOCK_DIAG_MAX:
             return SlotOperands(a_t, tuple(parts), None, None)
@@ -192,8 +201,16 @@ class LayerLora:
         for y0, r, b_s, scale, cols in parts:
             rows = slice(cols.start - self.first, cols.stop - self.first)
             b_t[y0 : y0 + r, rows] = b_s
-            scales[rows] = scale
+            scales[rows] = 1.0 if scale is None else scale
+        if all(p[3] is None for p in parts):
+            scales = None
         return SlotOperands(a_t, tuple(parts), b_t, scales)
+
+
+def _power_of_two(scale: float) -> bool:
+    """Whether ``(y @ B.T) * scale == y @ (scale * B).T`` bit for bit: scaling by a power of two
+    is exact at every rounding of the sum (outside the subnormal range)."""
+    return scale != 0 and math.frexp(abs(scale))[0] == 0.5
 
 
 _WRAPPED: dict[type, type] = {}

@@ -3,7 +3,8 @@
 a fused q/k/v layer (one shrink for every slice, then one block-diagonal expand for a short step,
 one per slice for a long one or a large layer) to the last bits only, as its base GEMM already
 differs from HF's three projections (the BLAS picks its kernels by the matrices' widths). Adapters
-of lower rank than the slots, and a slice the adapter leaves alone."""
+of lower rank than the slots, a slice the adapter leaves alone, scalings folded into ``B`` (powers
+of two: the same bits) or applied after it."""
 
 from __future__ import annotations
 
@@ -52,14 +53,14 @@ def _model(k: int, sizes: tuple[int, ...]) -> nn.Module:
     return model
 
 
-def _factors(k, sizes, ranks, seed):
+def _factors(k, sizes, ranks, seed, scales=(2.0, 0.75, 1.3, 0.5)):
     """PEFT-shaped factors per HF module (rank 0: the module is left alone)."""
     g = torch.Generator().manual_seed(seed)
     names = ["q_proj", "k_proj", "v_proj"]
     fins = {n: k for n in names} | {"o_proj": sizes[0]}
     fouts = dict(zip(names, sizes)) | {"o_proj": k}
     out = {}
-    for (name, r), scale in zip(ranks.items(), (2.0, 0.75, 1.3, 0.5)):
+    for (name, r), scale in zip(ranks.items(), scales):
         if r:
             mod = f"layers.0.self_attn.{name}"
             out[mod] = LoraFactors(torch.randn(r, fins[name], generator=g),
@@ -72,27 +73,31 @@ def _peft(x, base, f: LoraFactors | None):
     return base if f is None else base + F.linear(F.linear(x, f.a), f.b) * f.scale
 
 
+# scalings: some powers of two (folded into B), some not; all powers of two (no scale op left)
+@pytest.mark.parametrize("scales", [(2.0, 0.75, 1.3, 0.5), (2.0, 0.5, 4.0, 1.0)])
 @pytest.mark.parametrize("tokens", [1, 16, GATHER_MAX_TOKENS + 3])
-@pytest.mark.parametrize("sizes", [(64, 32, 32), (256, 128, 128)])
+@pytest.mark.parametrize("sizes", [(64, 32, 32), (256, 128, 128), (2048, 1024, 1024)])
 @torch.no_grad()
-def test_one_adapter_step_is_peft_delta(tokens, sizes):
+def test_one_adapter_step_is_peft_delta(tokens, sizes, scales):
     k = 64 if sizes[0] == 64 else 256
     model = _model(k, sizes)
     step, _, layers = attach_lora(model, "", max_loras=2, max_rank=SLOT_RANK,
                                   dtype=torch.float32, device="cpu")  # fmt: skip
-    factors = _factors(k, sizes, {"q_proj": 8, "k_proj": 0, "v_proj": 3, "o_proj": 5}, seed=1)
+    factors = _factors(k, sizes, {"q_proj": 8, "k_proj": 0, "v_proj": 3, "o_proj": 5}, seed=1,
+                       scales=scales)  # fmt: skip
     other = _factors(k, sizes, {"q_proj": 16, "k_proj": 16, "v_proj": 16, "o_proj": 16}, seed=2)
     for layer in layers:
         layer.write(0, other)  # a second slot, to show slot 1's operands are its own
         layer.write(1, factors)
     qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
-    big = 3 * 8 * sum(sizes) > BLOCK_DIAG_MAX  # per-slice expand even for a short step
+    big = (8 + 3) * sum(sizes) > BLOCK_DIAG_MAX  # per-slice expand even for a short step
     assert (qkv.lora.operands[1].b_t is None) == big
-    x = torch.randn(tokens, k)
+    assert (qkv.lora.operands[1].scales is None) == (big or scales[2] == 4.0)
+    x, x_o = torch.randn(tokens, k), torch.randn(tokens, sizes[0])
     step.segments, step.uniform_slot = LoraSegments.from_slots([], "cpu"), 1
-    got_qkv, got_o = qkv(x), o(x[:, : sizes[0]])
+    got_qkv, got_o = qkv(x), o(x_o)
     step.segments = step.uniform_slot = None
-    base_qkv, base_o = qkv(x), o(x[:, : sizes[0]])
+    base_qkv, base_o = qkv(x), o(x_o)
     want = []
     for name, part in zip(("q_proj", "k_proj", "v_proj"), base_qkv.split(list(sizes), dim=1)):
         want.append(_peft(x, part, factors.get(f"layers.0.self_attn.{name}")))
@@ -100,4 +105,4 @@ def test_one_adapter_step_is_peft_delta(tokens, sizes):
     want = torch.cat(want, dim=1)
     assert (got_qkv - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(got_qkv[:, sizes[0] : sizes[0] + sizes[1]], base_qkv[:, sizes[0] : -sizes[2]])
-    assert torch.equal(got_o, _peft(x[:, : sizes[0]], base_o, factors["layers.0.self_attn.o_proj"]))
+    assert torch.equal(got_o, _peft(x_o, base_o, factors["layers.0.self_attn.o_proj"]))
