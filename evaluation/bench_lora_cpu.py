@@ -125,7 +125,8 @@ def fast_path(args) -> None:
         for rank in args.ranks:
             peft_model = _peft_adapter(_load(model), rank, seed=rank)
             merged = _peft_adapter(_load(model), rank, seed=rank).merge_and_unload()
-            paged = dict(backend="paged", paged_config=dict(ENGINE, max_lora_rank=rank))
+            paged = dict(backend="paged", paged_config=dict(ENGINE, max_lora_rank=rank,
+                                                            max_model_len=128))  # fmt: skip
             systems = {
                 "stock_peft": lambda: peft_model.generate(**call, backend="hf"),
                 "paged_slots": lambda: peft_model.generate(**call, **paged),
