@@ -66,9 +66,11 @@ class LoraSlice:
 
 
 # a fused layer's one-adapter expand is one matmul over a block-diagonal B (``SlotOperands.b_t``)
-# when that matrix has at most this many elements: beyond, the zero blocks' flops cost more than
-# the per-slice ops saved (measured on one CPU thread, decode batches of 16)
-BLOCK_DIAG_MAX = 1 << 16
+# while the step's multiplies by its zero blocks, per slice it saves, stay below this many: beyond,
+# they cost more than the per-slice matmul, scale and add (measured on one CPU thread)
+BLOCK_DIAG_WASTE_MAX = 1 << 18
+# the largest block-diagonal B kept per slot (elements)
+BLOCK_DIAG_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class SlotOperands:
     # b_t None: per slice (whose scaling is None where folded)
     b_t: torch.Tensor | None
     scales: torch.Tensor | None
+    waste: int = 0  # with ``b_t``: multiplies by its zero blocks per token, per slice saved
 
 
 class LayerLora:
@@ -132,7 +135,7 @@ class LayerLora:
         if ops is None:
             return
         y = torch.mm(xs, ops.a_t)  # [T, sum r]
-        if ops.b_t is not None and (len(ops.slices) == 1 or xs.shape[0] <= GATHER_MAX_TOKENS):
+        if ops.b_t is not None and xs.shape[0] * ops.waste <= BLOCK_DIAG_WASTE_MAX:
             delta = torch.mm(y, ops.b_t)  # [T, out]
             if ops.scales is not None:
                 delta.mul_(ops.scales)
@@ -204,7 +207,8 @@ class LayerLora:
             scales[rows] = 1.0 if scale is None else scale
         if all(p[3] is None for p in parts):
             scales = None
-        return SlotOperands(a_t, tuple(parts), b_t, scales)
+        zeros = first * out - sum(r * (cols.stop - cols.start) for _, r, _, _, cols in parts)
+        return SlotOperands(a_t, tuple(parts), b_t, scales, zeros // max(1, len(parts) - 1))
 
 
 def _power_of_two(scale: float) -> bool:

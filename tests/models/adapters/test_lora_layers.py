@@ -1,7 +1,7 @@
 """A wrapped layer's delta for a step whose tokens all use one adapter is PEFT's
 ``result + lora_B(lora_A(x)) * scaling``, in that order (CPU fp32): an unfused layer bit for bit;
-a fused q/k/v layer (one shrink for every slice, then one block-diagonal expand for a short step,
-one per slice for a long one or a large layer) to the last bits only, as its base GEMM already
+a fused q/k/v layer (one shrink for every slice, then one block-diagonal expand while its zero
+blocks cost less than the per-slice ops, else one per slice) to the last bits only, as its base GEMM already
 differs from HF's three projections (the BLAS picks its kernels by the matrices' widths). Adapters
 of lower rank than the slots, a slice the adapter leaves alone, scalings folded into ``B`` (powers
 of two: the same bits) or applied after it."""
@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_paged.kernels.lora_segmented import LoraSegments
 from hf_paged.models.adapters.adapter import LoraFactors
-from hf_paged.models.adapters.layers import BLOCK_DIAG_MAX, GATHER_MAX_TOKENS, attach_lora
+from hf_paged.models.adapters.layers import BLOCK_DIAG_WASTE_MAX, GATHER_MAX_TOKENS, attach_lora
 
 SLOT_RANK = 16
 
@@ -90,9 +90,10 @@ def test_one_adapter_step_is_peft_delta(tokens, sizes, scales):
         layer.write(0, other)  # a second slot, to show slot 1's operands are its own
         layer.write(1, factors)
     qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
-    big = (8 + 3) * sum(sizes) > BLOCK_DIAG_MAX  # per-slice expand even for a short step
-    assert (qkv.lora.operands[1].b_t is None) == big
-    assert (qkv.lora.operands[1].scales is None) == (big or scales[2] == 4.0)
+    ops = qkv.lora.operands[1]
+    assert ops.b_t is not None and (ops.scales is None) == (scales[2] == 4.0)
+    one_expand = tokens * ops.waste <= BLOCK_DIAG_WASTE_MAX  # else per slice
+    assert one_expand == (tokens == 1 or sizes[0] < 2048)  # both paths are tested
     x, x_o = torch.randn(tokens, k), torch.randn(tokens, sizes[0])
     step.segments, step.uniform_slot = LoraSegments.from_slots([], "cpu"), 1
     got_qkv, got_o = qkv(x), o(x_o)
