@@ -20,10 +20,10 @@ Writes ``evaluation/results/lora_cpu.json`` with tokens/s, the ratios and whethe
 equals stock's.
 
 ``--fast-path``: only the single-adapter systems, per ``--model`` (``tiny``: the model above; a
-path: a saved checkpoint, e.g. ``./models/smollm2-135m-instruct`` from ``hf-paged fetch-demo-model``)
-and per ``--ranks`` (adapters made by PEFT from ``LoraConfig(r, lora_alpha=2r,
-init_lora_weights=False)`` on every projection, so ``B != 0``), 16 prompts of U[8, 24] random ids,
-``--new`` tokens each. Walls and the process's CPU time per call are recorded (the CPU time is
+path: a saved checkpoint, e.g. ``./models/smollm2-135m-instruct`` written by ``hf-paged
+fetch-demo-model``) and per ``--ranks`` (adapters made by PEFT from ``LoraConfig(r,
+lora_alpha=2r, init_lora_weights=False)`` on every projection, so ``B != 0``), 16 prompts of
+U[8, 24] random ids, ``--new`` tokens each. Walls and the process's CPU time per call are recorded (the CPU time is
 what other work on a shared machine disturbs least); writes
 ``evaluation/results/lora_cpu_fast_path.json``.
 
@@ -110,6 +110,11 @@ def _load(model: str):
     return m
 
 
+def _caller(model, call: dict, **kw):
+    """``model.generate(**call, **kw)`` as a function of nothing."""
+    return lambda: model.generate(**call, **kw)
+
+
 def fast_path(args) -> None:
     """One adapter for every row: LoRA slots against the engine on merged weights and stock PEFT
     (module docstring)."""
@@ -128,10 +133,10 @@ def fast_path(args) -> None:
             paged = dict(backend="paged", paged_config=dict(ENGINE, max_lora_rank=rank,
                                                             max_model_len=128))  # fmt: skip
             systems = {
-                "stock_peft": lambda: peft_model.generate(**call, backend="hf"),
-                "paged_slots": lambda: peft_model.generate(**call, **paged),
-                "paged_merged": lambda: merged.generate(**call, **paged),
-            }  # fmt: skip
+                "stock_peft": _caller(peft_model, call, backend="hf"),
+                "paged_slots": _caller(peft_model, call, **paged),
+                "paged_merged": _caller(merged, call, **paged),
+            }
             cpu: dict = {}
             walls, outs = _interleaved(systems, args.repeats, cpu)
             key = f"{model.rstrip('/').rsplit('/', 1)[-1]}_r{rank}"
@@ -145,13 +150,20 @@ def fast_path(args) -> None:
                 r[f"slots_vs_merged_{stat.removesuffix('_s')}"] = (
                     r["paged_slots"][stat] / r["paged_merged"][stat] - 1.0
                 )
-            equal[key] = {"paged_slots": torch.equal(outs["paged_slots"], outs["stock_peft"]),
-                          "paged_merged": torch.equal(outs["paged_merged"], outs["stock_peft"])}  # fmt: skip
-            log(f"{key}: " + ", ".join(f"{n} wall min {v['wall_min_s']:.3f} s cpu min "
-                                       f"{v['cpu_min_s']:.3f} s" for n, v in r.items()
-                                       if isinstance(v, dict))  # fmt: skip
+            equal[key] = {
+                name: torch.equal(outs[name], outs["stock_peft"])
+                for name in ("paged_slots", "paged_merged")
+            }
+            log(
+                f"{key}: "
+                + ", ".join(
+                    f"{n} wall min {v['wall_min_s']:.3f} s cpu min {v['cpu_min_s']:.3f} s"
+                    for n, v in r.items()
+                    if isinstance(v, dict)
+                )  # fmt: skip
                 + f"; slots vs merged: {100 * r['slots_vs_merged_cpu_min']:+.1f}% (cpu min), "
-                f"{100 * r['slots_vs_merged_wall_min']:+.1f}% (wall min); equal {equal[key]}")
+                f"{100 * r['slots_vs_merged_wall_min']:+.1f}% (wall min); equal {equal[key]}"
+            )
             release(peft_model), release(merged)  # their engines' memory, before the next
             del peft_model, merged, systems, outs
     result = {"benchmark": "lora_cpu_fast_path", "prompts": NUM_PROMPTS, "new_tokens": args.new,

@@ -23,8 +23,11 @@ NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 # three adapters of two ranks and the base model; two slots, so adapters take turns
 NAMES = ["one", None, "two", "three", "one", "two"]
-ADAPTERS = {"one": (4, ["q_proj", "v_proj", "down_proj"]), "two": (8, ["k_proj", "o_proj", "up_proj"]),
-            "three": (2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}  # fmt: skip
+ADAPTERS = {
+    "one": (4, ["q_proj", "v_proj", "down_proj"]),
+    "two": (8, ["k_proj", "o_proj", "up_proj"]),
+    "three": (2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
 
 
 def _save_adapter(base_dir, out, r, targets, seed):
@@ -64,7 +67,9 @@ def setup(tmp_path_factory):
 
 
 def _generate(base, prompts, reqs, **cfg):
-    with LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, **{**SMALL_ENGINE, **cfg}) as llm:
+    with LLM(
+        base, enable_lora=True, max_loras=2, max_lora_rank=8, **{**SMALL_ENGINE, **cfg}
+    ) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)
         runner = llm.engine.executor.runner
         state = {"per_token": runner.lora.per_token, "captured": runner.graph_runner is not None,

@@ -1,8 +1,8 @@
 """A wrapped layer's delta for a step whose tokens all use one adapter is PEFT's
 ``result + lora_B(lora_A(x)) * scaling``, in that order (CPU fp32): an unfused layer bit for bit;
 a fused q/k/v layer (one shrink for every slice, then one block-diagonal expand while its zero
-blocks cost less than the per-slice ops, else one per slice) to the last bits only, as its base GEMM already
-differs from HF's three projections (the BLAS picks its kernels by the matrices' widths). Adapters
+blocks cost less than the per-slice ops, else one per slice) to the last bits only, as its base
+GEMM already differs from HF's three projections (the BLAS picks its kernels by the matrices' widths). Adapters
 of lower rank than the slots, a slice the adapter leaves alone, scalings folded into ``B`` (powers
 of two: the same bits) or applied after it."""
 
@@ -105,5 +105,7 @@ def test_one_adapter_step_is_peft_delta(tokens, sizes, scales):
     assert not torch.equal(got_qkv, base_qkv)
     want = torch.cat(want, dim=1)
     assert (got_qkv - want).abs().max() <= 1e-6 * want.abs().max()
-    assert torch.equal(got_qkv[:, sizes[0] : sizes[0] + sizes[1]], base_qkv[:, sizes[0] : -sizes[2]])
+    assert torch.equal(
+        got_qkv[:, sizes[0] : sizes[0] + sizes[1]], base_qkv[:, sizes[0] : -sizes[2]]
+    )
     assert torch.equal(got_o, _peft(x_o, base_o, factors["layers.0.self_attn.o_proj"]))
