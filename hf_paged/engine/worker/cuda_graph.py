@@ -140,8 +140,8 @@ def eager_refusal(config, model, attn_backend, ctx, lora=None) -> Refusal | None
     if lora is not None and not lora.per_token:
         return Refusal(
             "cuda_graph",
-            "LoRA slots without the per-token Triton kernels (triton is not installed): each "
-            "step's token-to-slot grouping is built on the host",
+            "LoRA slots without the per-token Triton kernels (they need CUDA and triton): "
+            "each step's token-to-slot grouping is built on the host",
         )
     if not getattr(model, "supports_cuda_graph", False):
         why = getattr(model, "cuda_graph_reason", None) or "the model says so"
