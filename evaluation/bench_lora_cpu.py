@@ -19,7 +19,17 @@ minimum, the run least disturbed by other work on the machine):
 Writes ``evaluation/results/lora_cpu.json`` with tokens/s, the ratios and whether every paged row
 equals stock's.
 
+``--fast-path``: only the single-adapter systems, per ``--model`` (``tiny``: the model above; a
+path: a saved checkpoint, e.g. ``./models/smollm2-135m-instruct`` written by ``hf-paged
+fetch-demo-model``) and per ``--ranks`` (adapters made by PEFT from ``LoraConfig(r,
+lora_alpha=2r, init_lora_weights=False)`` on every projection, so ``B != 0``), 16 prompts of
+U[8, 24] random ids, ``--new`` tokens each. Walls and the process's CPU time per call are recorded (the CPU time is
+what other work on a shared machine disturbs least); writes
+``evaluation/results/lora_cpu_fast_path.json``.
+
     OMP_NUM_THREADS=1 PYTHONPATH=. python evaluation/bench_lora_cpu.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python evaluation/bench_lora_cpu.py --fast-path \
+        --model tiny --model models/smollm2-135m-instruct --ranks 8 16 --new 48 --repeats 3
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from results_dir import RESULTS_DIR
 from hf_paged.benchmarks.lora import load_peft, save_random_adapter
 from hf_paged.benchmarks.run_record import environment, log
 from hf_paged.benchmarks.runners import left_pad
+from hf_paged.integration.dispatch import release
 
 NUM_PROMPTS, NUM_ADAPTERS, RANK, NEW = 16, 4, 8, 32
 # prefix caching off: every timed call repeats the warm-up's prompts, whose KV stock recomputes
@@ -60,26 +71,127 @@ def _base(config):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def _interleaved(systems: dict, repeats: int) -> tuple[dict, dict]:
+def _interleaved(systems: dict, repeats: int, cpu: dict | None = None) -> tuple[dict, dict]:
     """Every system warmed up, then ``repeats`` rounds that run each once in turn (a loaded
     machine drifts: interleaving spreads the drift over all systems). Returns
-    ``({name: walls}, {name: last output})``."""
+    ``({name: walls}, {name: last output})``; ``cpu``: filled with each call's process CPU time."""
     outs = {name: fn() for name, fn in systems.items()}  # warm-up (engine start, first calls)
     walls = {name: [] for name in systems}
     for _ in range(repeats):
         for name, fn in systems.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs[name] = fn()
             walls[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - c0)
     return walls, outs
+
+
+def _peft_adapter(base, rank: int, seed: int):
+    """PEFT's own LoRA of ``rank`` on every projection, B != 0 (``init_lora_weights=False``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_paged.benchmarks.lora import PROJECTIONS
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTIONS),
+                     lora_dropout=0.0, init_lora_weights=False)  # fmt: skip
+    return get_peft_model(base, cfg).eval()
+
+
+def _load(model: str):
+    """``tiny`` (the random Llama above) or a checkpoint directory, fp32, without EOS."""
+    from transformers import AutoModelForCausalLM
+
+    if model == "tiny":
+        return _base(_config())
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    m.generation_config.eos_token_id = None  # every row runs all its new tokens
+    return m
+
+
+def _caller(model, call: dict, **kw):
+    """``model.generate(**call, **kw)`` as a function of nothing."""
+    return lambda: model.generate(**call, **kw)
+
+
+def fast_path(args) -> None:
+    """One adapter for every row: LoRA slots against the engine on merged weights and stock PEFT
+    (module docstring)."""
+    rows, equal = {}, {}
+    for model in args.model:
+        vocab = _load(model).config.vocab_size
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 24))]
+                   for _ in range(NUM_PROMPTS)]  # fmt: skip
+        ids, mask = left_pad(prompts, "cpu")
+        call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                    pad_token_id=0)  # fmt: skip
+        for rank in args.ranks:
+            peft_model = _peft_adapter(_load(model), rank, seed=rank)
+            merged = _peft_adapter(_load(model), rank, seed=rank).merge_and_unload()
+            paged = dict(backend="paged", paged_config=dict(ENGINE, max_lora_rank=rank,
+                                                            max_model_len=128))  # fmt: skip
+            systems = {
+                "stock_peft": _caller(peft_model, call, backend="hf"),
+                "paged_slots": _caller(peft_model, call, **paged),
+                "paged_merged": _caller(merged, call, **paged),
+            }
+            cpu: dict = {}
+            walls, outs = _interleaved(systems, args.repeats, cpu)
+            key = f"{model.rstrip('/').rsplit('/', 1)[-1]}_r{rank}"
+            rows[key] = {name: {"wall_min_s": min(ws), "wall_median_s": statistics.median(ws),
+                                "cpu_min_s": min(cpu[name]),
+                                "cpu_median_s": statistics.median(cpu[name]),
+                                "walls_s": ws, "cpu_s": cpu[name]}
+                         for name, ws in walls.items()}  # fmt: skip
+            r = rows[key]
+            for stat in ("wall_min_s", "wall_median_s", "cpu_min_s", "cpu_median_s"):
+                r[f"slots_vs_merged_{stat.removesuffix('_s')}"] = (
+                    r["paged_slots"][stat] / r["paged_merged"][stat] - 1.0
+                )
+            equal[key] = {
+                name: torch.equal(outs[name], outs["stock_peft"])
+                for name in ("paged_slots", "paged_merged")
+            }
+            log(
+                f"{key}: "
+                + ", ".join(
+                    f"{n} wall min {v['wall_min_s']:.3f} s cpu min {v['cpu_min_s']:.3f} s"
+                    for n, v in r.items()
+                    if isinstance(v, dict)
+                )  # fmt: skip
+                + f"; slots vs merged: {100 * r['slots_vs_merged_cpu_min']:+.1f}% (cpu min), "
+                f"{100 * r['slots_vs_merged_wall_min']:+.1f}% (wall min); equal {equal[key]}"
+            )
+            release(peft_model), release(merged)  # their engines' memory, before the next
+            del peft_model, merged, systems, outs
+    result = {"benchmark": "lora_cpu_fast_path", "prompts": NUM_PROMPTS, "new_tokens": args.new,
+              "repeats": args.repeats, "engine_config": ENGINE, "models": args.model,
+              "ranks": args.ranks, "systems": rows, "equal_to_stock": equal,
+              "env": environment()}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {args.out}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=str(RESULTS_DIR / "lora_cpu.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--fast-path", action="store_true", help="only one adapter for every row")
+    ap.add_argument("--model", action="append", help="tiny or a checkpoint dir (--fast-path)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--new", type=int, default=48)
     args = ap.parse_args()
     import hf_paged  # noqa: F401  (installs the generate dispatcher)
+
+    if args.fast_path:
+        args.model = args.model or ["tiny"]
+        args.out = args.out or str(RESULTS_DIR / "lora_cpu_fast_path.json")
+        fast_path(args)
+        return
+    args.out = args.out or str(RESULTS_DIR / "lora_cpu.json")
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(16, 48))]

@@ -15,14 +15,18 @@ Systems, in this order, one model in memory:
   the same per batch);
 * ``llm_lora``: ``LLM(model, enable_lora=True, max_loras=8, max_lora_rank=16)`` and
   ``generate(prompts, params, lora_request=[LoRARequest per request or None])``, all 256;
+* ``llm_single_slots``: the same LoRA engine with every request under adapter 0 (the
+  single-adapter case on slots: unmerged, decode in CUDA graphs);
 * ``llm_merged``: adapter 0 merged into the weights (``W += scale * B @ A``), ``LLM(model)``
   without LoRA, all 256 (the price of one merged adapter; its outputs differ by design).
 
-Metric: requested output tokens / wall time. Also: greedy agreement of ``llm_lora`` with
+Metric: requested output tokens / wall time; each engine's ``decode_graphs`` says whether its
+decode steps were captured (else the reason). Also: greedy agreement of ``llm_lora`` with
 ``stock_peft`` on the stock subset (bf16: rows may part where logits nearly tie). JSON goes to
 ``$OUT`` when set (the device tool), else ``evaluation/results/lora_gpu_<stamp>.json``.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python evaluation/bench_lora_gpu.py          # H200
+    PYTHONPATH=. python evaluation/bench_lora_gpu.py --requests 96 --stock-requests 0  # ~4 min
     PYTHONPATH=. python evaluation/bench_lora_gpu.py --tiny                       # CPU, tiny
 """
 
@@ -78,6 +82,9 @@ def run_llm(model, wl: Workload, engine: dict, requests=None, system: str = "llm
     t = time.perf_counter()
     llm = LLM(model, **engine)
     startup = time.perf_counter() - t
+    reason = llm.engine.executor.runner.cuda_graph_reason
+    graphs = "captured" if reason is None and model.device.type == "cuda" else reason
+    log(f"{system}: decode graphs {graphs}")
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         warm_lora = None if requests is None else [requests[0], None]
@@ -96,7 +103,7 @@ def run_llm(model, wl: Workload, engine: dict, requests=None, system: str = "llm
         free_memory(model.device)
     return _row(system, wl, wall, [list(o.outputs[0].token_ids) for o in outs],
                 startup_s=startup, num_preemptions=stats.get("num_preemptions"),
-                engine_config=engine)  # fmt: skip
+                engine_config=engine, decode_graphs=graphs)  # fmt: skip
 
 
 def _row(system, wl: Workload, wall: float, outputs, **extra) -> dict:
@@ -163,11 +170,13 @@ def main() -> None:
     requests = [None if n == BASE else LoRARequest(n, ids[n], dirs[n]) for n in names]
     lora_engine = dict(engine, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=rank)
     rows.append(run_llm(model, wl, lora_engine, requests))
+    single = [LoRARequest(adapters[0], ids[adapters[0]], dirs[adapters[0]])] * wl.num_requests
+    rows.append(run_llm(model, wl, lora_engine, single, system="llm_single_slots"))
     merge_into(model, dirs[adapters[0]])
     rows.append(run_llm(model, wl, engine, None, system="llm_merged"))
 
     stock = rows[0] if stock_n else None
-    lora, merged = rows[-2], rows[-1]
+    lora, single, merged = rows[-3], rows[-2], rows[-1]
     result = {
         "benchmark": "lora_gpu",
         "arch": arch,
@@ -178,13 +187,15 @@ def main() -> None:
         "systems": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
         "llm_lora_vs_stock_peft": lora["tok_per_s"] / stock["tok_per_s"] if stock else None,
         "llm_lora_vs_llm_merged": lora["tok_per_s"] / merged["tok_per_s"],
+        "llm_single_slots_vs_llm_merged": single["tok_per_s"] / merged["tok_per_s"],
         "agreement_llm_lora_vs_stock_peft": (
             agreement(stock["outputs"], lora["outputs"][:stock_n]) if stock else None
         ),
         "env": environment(),
     }
     log(
-        f"llm_lora {result['llm_lora_vs_llm_merged']:.2f}x one merged adapter; vs stock PEFT: "
+        f"llm_lora {result['llm_lora_vs_llm_merged']:.2f}x one merged adapter, one adapter on "
+        f"slots {result['llm_single_slots_vs_llm_merged']:.2f}x; llm_lora vs stock PEFT: "
         f"{result['llm_lora_vs_stock_peft']}; agreement {result['agreement_llm_lora_vs_stock_peft']}"
     )
     out_dir = Path(os.environ.get("OUT") or RESULTS_DIR)

@@ -13,8 +13,8 @@
 #                                                   # (full + 8-doc), pipeline client (~9 min)
 #   bash evaluation/run_acceptance_gpu.sh rest      # prompt logprobs, engine start, Qwen3.5
 #                                                   # hybrid bench, FP8 ct/kv (~9 min)
-#   bash evaluation/run_acceptance_gpu.sh lora      # segmented-LoRA kernel on CUDA, many-adapter
-#                                                   # bench on the 8B shape (~9 min)
+#   bash evaluation/run_acceptance_gpu.sh lora      # LoRA kernels and decode graphs with slots on
+#                                                   # CUDA, the 8B-shape bench (< 8 min)
 #   bash evaluation/run_acceptance_gpu.sh vlm       # VLM CUDA parity and the Gemma 3 kernel,
 #                                                   # Qwen2.5-VL-7B-shape bench (~9 min)
 #
@@ -85,9 +85,9 @@ case $call in
     ;;
   lora)
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"
-    step 120 lora_kernel python3 -m pytest -q -rs -m gpu tests/kernels/test_lora_segmented.py \
-      tests/models/adapters
-    step 420 lora_bench python3 evaluation/bench_lora_gpu.py
+    step 180 lora_kernel python3 -m pytest -q -rs -m gpu tests/kernels/test_lora_segmented.py \
+      tests/kernels/test_lora_per_token.py tests/models/adapters
+    step 270 lora_bench python3 evaluation/bench_lora_gpu.py --requests 96 --stock-requests 0
     ;;
   vlm)
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"

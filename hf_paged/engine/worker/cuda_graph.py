@@ -3,7 +3,11 @@ max_num_seqs, plus max_num_seqs itself), all writing into shared static buffers.
 n sequences replays the smallest graph of size >= n; rows past n are padding (slot -1).
 The runner's ``KVCache`` goes into the captured metadata, so the graphs read and write the same
 cache tensors the eager steps use (it must outlive the graphs); so does a recurrent model's
-state pool, with persistent state-slot buffers whose padded rows point at the dummy slot 0."""
+state pool, with persistent state-slot buffers whose padded rows point at the dummy slot 0.
+With LoRA slots the graphs capture the per-token LoRA kernels reading a static slot buffer (one
+int32 per row, -1: no adapter, padded rows -1), rewritten before each replay from the step's
+``LoraStep.decode_slots``: one graph per batch size serves every adapter mix, and adapters
+written into the slots later are read in place."""
 
 from __future__ import annotations
 
@@ -37,6 +41,10 @@ class DecodeGraphRunner:
         self.state_pool = runner.state_pool  # None without recurrent layers
         self.state_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.has_initial_state = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        self.lora = runner.lora  # None without LoRA slots
+        self.lora_slots = None
+        if self.lora is not None:
+            self.lora_slots = torch.full((max_bs,), -1, dtype=torch.int32, device=dev)
         self.outputs: torch.Tensor | None = None  # [max_bs, H], sized by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -64,6 +72,8 @@ class DecodeGraphRunner:
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
             meta = self._meta(bs)
             args = (self.input_ids[:bs], self.positions[:bs], meta)
+            if self.lora is not None:  # the layers read the static slots (all -1 now)
+                self.lora.step.decode_slots = self.lora_slots[:bs]
             hidden = model(*args)  # warm up (kernel autotuning, allocations)
             if self.outputs is None:
                 self.outputs = hidden.new_zeros(self.sizes[-1], *hidden.shape[1:])
@@ -75,8 +85,12 @@ class DecodeGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
+        if self.lora is not None:
+            self.lora.finish()
 
     def fits(self, meta: AttentionMetadata) -> bool:
+        if self.lora is not None and self.lora.step.segments is not None:
+            return False  # adapters grouped on the host: not what the graphs captured
         return meta.num_seqs <= self.sizes[-1] and meta.block_tables.shape[1] <= self.max_blocks
 
     def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -93,6 +107,13 @@ class DecodeGraphRunner:
             self.state_indices[:n] = meta.state_indices
             self.state_indices[n:bs] = 0  # the dummy slot
             self.has_initial_state[:n] = meta.has_initial_state
+        if self.lora_slots is not None:
+            slots = self.lora.step.decode_slots  # None: no row has an adapter
+            if slots is None:
+                self.lora_slots[:bs] = -1
+            else:
+                self.lora_slots[:n] = slots
+                self.lora_slots[n:bs] = -1
         self.graphs[bs].replay()
         return self.outputs[:n]
 
@@ -107,6 +128,7 @@ class DecodeGraphRunner:
         self.input_ids = self.positions = self.slot_mapping = None
         self.context_lens = self.block_tables = self.cu_seqlens_q = None
         self.state_pool = self.state_indices = self.has_initial_state = None
+        self.lora = self.lora_slots = None
         self.runner = None
 
 
@@ -115,9 +137,11 @@ def eager_refusal(config, model, attn_backend, ctx, lora=None) -> Refusal | None
     ``config``, its ``model``, attention backend, ``ModelContext`` and LoRA slots say so."""
     if config.enforce_eager:
         return Refusal("cuda_graph", "enforce_eager=True")
-    if lora is not None:
+    if lora is not None and not lora.per_token:
         return Refusal(
-            "cuda_graph", "LoRA slots: each step's token-to-slot grouping is built on the host"
+            "cuda_graph",
+            "LoRA slots without the per-token Triton kernels (they need CUDA and triton): "
+            "each step's token-to-slot grouping is built on the host",
         )
     if not getattr(model, "supports_cuda_graph", False):
         why = getattr(model, "cuda_graph_reason", None) or "the model says so"

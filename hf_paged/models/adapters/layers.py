@@ -13,11 +13,13 @@ output (a row-parallel layer's after its all-reduce), which is why the engine se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from hf_paged.kernels.lora_per_token import lora_per_token
 from hf_paged.kernels.lora_segmented import LoraSegments, segmented_lora, supports
 from hf_paged.models.peft import LORA_TARGETS
 
@@ -35,6 +37,10 @@ class LoraStep:
         self.segments: LoraSegments | None = None
         self.uniform_slot: int | None = None  # every token under this one slot
         self.token_slots: torch.Tensor | None = None  # [T] int64; no adapter: the zero slot
+        # CUDA decode steps: each token's slot on the device ([T] int32, -1: no adapter), read
+        # by the per-token kernels (``kernels/lora_per_token.py``); a decode graph's static
+        # buffer while it is captured. Set: the layers read nothing else.
+        self.decode_slots: torch.Tensor | None = None
 
 
 # up to this many tokens a step's deltas are dense matmuls over every slot on the CPU (no
@@ -59,6 +65,31 @@ class LoraSlice:
     scale_values: list[float]  # ``scales`` on the host
 
 
+# a fused layer's one-adapter expand is one matmul over a block-diagonal B (``SlotOperands.b_t``)
+# while the step's multiplies by its zero blocks, per slice it saves, stay below this many: beyond,
+# they cost more than the per-slice matmul, scale and add (measured on one CPU thread)
+BLOCK_DIAG_WASTE_MAX = 1 << 18
+# the largest block-diagonal B kept per slot (elements)
+BLOCK_DIAG_MAX = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlotOperands:
+    """One slot's factors laid out for a step whose tokens all use it (``LayerLora._uniform``):
+    only the slices the adapter adapts, at the adapter's own ranks (a PEFT model's slots are
+    padded to rank 16 or more), ready to multiply without a per-step copy."""
+
+    a_t: torch.Tensor  # [in, sum r]: the adapted slices' A, transposed, side by side
+    slices: tuple  # per adapted slice: (first y column, rank, B^T [r, size], scaling, columns)
+    # one expand for every slice (one slice, or a small fused layer on the CPU): B^T [sum r, out]
+    # (block-diagonal over the slices; exact zeros elsewhere) and the scaling per output column
+    # (a 0-dim tensor for one slice; None: every scaling a power of two, folded into B^T);
+    # b_t None: per slice (whose scaling is None where folded)
+    b_t: torch.Tensor | None
+    scales: torch.Tensor | None
+    waste: int = 0  # with ``b_t``: multiplies by its zero blocks per token, per slice saved
+
+
 class LayerLora:
     """A wrapped layer's slices and the step they read. The slices' ``A`` are stacked along the
     rank in ``a_all [S + 1, n * R, in]`` so that one matmul shrinks a token for every slice."""
@@ -68,23 +99,24 @@ class LayerLora:
         self.step = step
         self.a_all = a_all
         self.rank = rank
-        # CPU, fused layers: per slot every slice's B as one block-diagonal matrix and the
-        # output columns' scales, so a one-adapter step expands in one matmul (a GPU's launches
-        # are cheap: it keeps one matmul per slice and the memory)
-        self.b_diag = self.col_scales = None
-        if a_all.device.type == "cpu" and len(slices) > 1:
-            out = sum(s.size for s in slices)
-            self.b_diag = a_all.new_zeros(a_all.shape[0], out, a_all.shape[1])  # [S+1, out, nR]
-            self.col_scales = torch.zeros(a_all.shape[0], out, dtype=torch.float32)
+        self.first = slices[0].offset  # the output columns the slices cover
+        self.last = slices[-1].offset + slices[-1].size
+        # per slot: its ``SlotOperands`` (None: the adapter leaves this layer alone)
+        self.operands: list[SlotOperands | None] = [None] * a_all.shape[0]
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` [..., out] plus each token's delta; ``x`` [..., in]."""
         step = self.step
-        if step.segments is None:
+        if step.segments is None and step.decode_slots is None:
             return out
-        x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
-        xs = x2.to(self.a_all.dtype)
-        if step.uniform_slot is not None:
+        xs = x.reshape(-1, x.shape[-1])
+        o2 = out.reshape(-1, out.shape[-1])  # a view (the base output is contiguous)
+        if xs.dtype != self.a_all.dtype:  # PEFT casts the input to the adapter's dtype
+            xs = xs.to(self.a_all.dtype)
+        if step.decode_slots is not None:  # no host-side grouping: graph-capturable
+            for s in self.slices:
+                lora_per_token(xs, o2, s.a, s.b, s.scales, step.decode_slots, s.offset)
+        elif step.uniform_slot is not None:
             self._uniform(xs, o2, step.uniform_slot)
         elif supports(xs) or xs.shape[0] > GATHER_MAX_TOKENS:
             for s in self.slices:
@@ -95,20 +127,25 @@ class LayerLora:
 
     def _uniform(self, xs, o2, slot: int) -> None:
         """One adapter for the whole step: no gather or scatter; each slice's delta is PEFT's
-        ``lora_B(lora_A(x)) * scaling`` (a short step with ``b_diag``: every slice in one matmul,
-        the other slices' blocks exact zeros; a long one per slice, without their flops)."""
-        y = xs @ self.a_all[slot].T  # [T, n * R]
-        if self.b_diag is not None and xs.shape[0] <= GATHER_MAX_TOKENS:  # decode: few ops
-            first, last = self.slices[0].offset, self.slices[-1].offset + self.slices[-1].size
-            delta = (y @ self.b_diag[slot].T) * self.col_scales[slot]  # [T, out]
-            o2[:, first:last] += delta.to(o2.dtype)
+        ``lora_B(lora_A(x)) * scaling`` added to the base output. One shrink for every slice;
+        a short step of a fused layer on the CPU expands every slice in one matmul over the
+        block-diagonal ``b_t`` (the other slices' blocks are exact zeros), a long one per slice
+        without those flops. Few ops: on a CPU a decode step's small matmuls cost their launch."""
+        ops = self.operands[slot]
+        if ops is None:
             return
-        for j, s in enumerate(self.slices):
-            r = s.ranks[slot]
-            if r:
-                first = j * self.rank
-                delta = (y[:, first : first + r] @ s.b[slot, :, :r].T) * s.scale_values[slot]
-                o2[:, s.offset : s.offset + s.size] += delta.to(o2.dtype)
+        y = torch.mm(xs, ops.a_t)  # [T, sum r]
+        if ops.b_t is not None and xs.shape[0] * ops.waste <= BLOCK_DIAG_WASTE_MAX:
+            delta = torch.mm(y, ops.b_t)  # [T, out]
+            if ops.scales is not None:
+                delta.mul_(ops.scales)
+            o2[:, self.first : self.last].add_(delta)
+            return
+        for first, r, b_t, scale, cols in ops.slices:
+            delta = torch.mm(y[:, first : first + r], b_t)  # [T, size]
+            if scale is not None:
+                delta.mul_(scale)
+            o2[:, cols].add_(delta)
 
     def _dense(self, xs, o2, token_slots) -> None:
         """Few tokens, mixed slots: every token against every slot in dense matmuls, each token's
@@ -137,13 +174,47 @@ class LayerLora:
             if f is not None:
                 s.a[slot, :r].copy_(f.a)
                 s.b[slot, :, :r].copy_(f.b)
-        if self.b_diag is not None:  # the block-diagonal copy of the slices' B
-            self.b_diag[slot].zero_()
-            first = self.slices[0].offset
-            for j, s in enumerate(self.slices):
-                rows = slice(s.offset - first, s.offset - first + s.size)
-                self.b_diag[slot, rows, j * self.rank : (j + 1) * self.rank] = s.b[slot]
-                self.col_scales[slot, rows] = s.scale_values[slot]
+        self.operands[slot] = self._operands(slot)
+
+    def _operands(self, slot: int) -> SlotOperands | None:
+        """``slot``'s ``SlotOperands`` from its slices' (just written) factors."""
+        live = [(s, s.ranks[slot]) for s in self.slices if s.ranks[slot]]
+        if not live:
+            return None
+        a_t = torch.cat([s.a[slot, :r] for s, r in live]).T  # [in, sum r]
+        parts, first = [], 0
+        for s, r in live:
+            cols = slice(s.offset, s.offset + s.size)
+            b, scale = s.b[slot, :, :r], s.scale_values[slot]
+            if _power_of_two(scale):  # folded into B: the same bits, one op less per step
+                b, scale = b * scale, None
+            b_t = b.contiguous().T  # [r, size], PEFT's lora_B layout: its BLAS kernels
+            parts.append((first, r, b_t, scale, cols))
+            first += r
+        out = self.last - self.first
+        if len(live) == 1 and live[0][0].size == out:  # one slice: its own B, its scaling
+            scale = parts[0][3]
+            if scale is not None:
+                scale = torch.tensor(scale, dtype=torch.float32, device=a_t.device)
+            return SlotOperands(a_t, tuple(parts), parts[0][2], scale)
+        if self.a_all.device.type != "cpu" or first * out > BLOCK_DIAG_MAX:
+            return SlotOperands(a_t, tuple(parts), None, None)
+        b_t = self.a_all.new_zeros(first, out)  # [sum r, out]
+        scales = torch.zeros(out, dtype=torch.float32)
+        for y0, r, b_s, scale, cols in parts:
+            rows = slice(cols.start - self.first, cols.stop - self.first)
+            b_t[y0 : y0 + r, rows] = b_s
+            scales[rows] = 1.0 if scale is None else scale
+        if all(p[3] is None for p in parts):
+            scales = None
+        zeros = first * out - sum(r * (cols.stop - cols.start) for _, r, _, _, cols in parts)
+        return SlotOperands(a_t, tuple(parts), b_t, scales, zeros // max(1, len(parts) - 1))
+
+
+def _power_of_two(scale: float) -> bool:
+    """Whether ``(y @ B.T) * scale == y @ (scale * B).T`` bit for bit: scaling by a power of two
+    is exact at every rounding of the sum (outside the subnormal range)."""
+    return scale != 0 and math.frexp(abs(scale))[0] == 0.5
 
 
 _WRAPPED: dict[type, type] = {}

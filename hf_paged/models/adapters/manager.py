@@ -5,7 +5,10 @@ Two tiers, as vLLM's ``LoRAModelManager``: a host-side cache of registered adapt
 model's own tensors, one from disk its loaded ones) and ``max_loras`` device slots in every wrapped
 layer. ``prepare`` gives each of a step's tokens the slot of its sequence's adapter, loading an
 adapter into a free or least recently used slot that this step does not need; the scheduler
-never runs more distinct adapters at once than there are slots.
+never runs more distinct adapters at once than there are slots. On CUDA a decode step's slots
+are one device tensor (one token per sequence), read by the per-token kernels, which a decode
+graph replays; other steps are grouped by slot on the host (segments) or, when every token
+shares one adapter, need nothing more than that slot.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.kernels.lora_per_token import available as per_token_available
 from hf_paged.kernels.lora_segmented import LoraSegments
 from hf_paged.models.adapters.adapter import LoraAdapter
 from hf_paged.models.adapters.layers import TARGETS, attach_lora
@@ -45,6 +49,11 @@ class LoraManager:
             model, hf_prefix, spec.max_loras, spec.max_rank, slot_dtype, self.device
         )
         self.adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # key -> adapter, LRU
+        # decode steps through the per-token kernels (CUDA with triton): what lets decode
+        # graphs capture the LoRA ops (``engine/worker/cuda_graph.py``)
+        self.per_token = per_token_available(self.device)
+        self._decode_host: list[int] | None = None  # the last decode step's slots
+        self._decode_dev: torch.Tensor | None = None  # ... on the device
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # key -> device slot, LRU
 
     # ---- registration --------------------------------------------------------------------
@@ -113,14 +122,21 @@ class LoraManager:
             RuntimeError: more distinct adapters than slots, or an adapter no longer registered
                 (the scheduler and the front ends keep both from happening).
         """
+        self.finish()  # nothing of the last step's stays
         keys = {c.lora_key for c in chunks if c.lora_key is not None}
         if not keys:
-            self.finish()
             return
         if len(keys) > self.spec.max_loras:
             raise RuntimeError(f"a step needs {len(keys)} LoRA adapters, above max_loras="
                                f"{self.spec.max_loras}")  # fmt: skip
         slot = {k: self._slot(k, keys) for k in keys}
+        if self.per_token and all(len(c.token_ids) == 1 for c in chunks):  # a decode step
+            slots = [slot[c.lora_key] if c.lora_key is not None else -1 for c in chunks]
+            if slots != self._decode_host:  # decode steps repeat their slots: one copy
+                self._decode_host = slots
+                self._decode_dev = torch.tensor(slots, dtype=torch.int32).to(self.device)
+            self.step.decode_slots = self._decode_dev
+            return
         if len(keys) == 1 and all(c.lora_key is not None for c in chunks):
             # one adapter for every token: the layers need nothing else (``LayerLora._uniform``)
             self.step.uniform_slot = slot[next(iter(keys))]
@@ -139,6 +155,7 @@ class LoraManager:
 
     def finish(self) -> None:
         self.step.segments, self.step.uniform_slot, self.step.token_slots = None, None, None
+        self.step.decode_slots = None
 
     def _slot(self, key: str, needed: set[str]) -> int:
         """``key``'s device slot, loading it into a free or least recently used one."""
