@@ -140,20 +140,25 @@ def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def too_few_kv_blocks(
+def check_kv_blocks(
     num_blocks: int, own: int, block_bytes: int, block_size: int, max_model_len: int
-) -> ValueError | None:
-    """The error for a KV cache of ``num_blocks`` (the MIN over ranks; ``own``: this rank's)
-    that cannot hold one ``max_model_len`` sequence, or None when it can."""
+) -> None:
+    """Raise for a KV cache of ``num_blocks`` (the MIN over ranks; ``own``: this rank's) that
+    cannot hold one ``max_model_len`` sequence. Raised here, never held in a caller's local:
+    an error a runner's frame refers to would keep that runner (and its sockets) alive.
+
+    Raises:
+        ValueError: too few blocks, with what to raise or lower.
+    """
     need = -(-max_model_len // block_size)
     if num_blocks >= need:
-        return None
+        return
     where = (
         f"another rank of this engine holds only {num_blocks} KV blocks (its own error says why)"
         if own >= need
         else f"the KV cache holds {num_blocks} blocks"
     )
-    return ValueError(
+    raise ValueError(
         f"{where} of {block_size} tokens ({block_bytes} bytes each) but "
         f"max_model_len={max_model_len} needs {need}: raise num_kv_blocks / "
         "kv_cache_bytes / gpu_memory_utilization or lower max_model_len"

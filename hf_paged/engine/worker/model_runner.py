@@ -27,7 +27,7 @@ from hf_paged.distributed.communicator import Communicator
 from hf_paged.engine.core.contracts import ModelInput
 from hf_paged.engine.worker import runner_memory
 from hf_paged.engine.worker.cuda_graph import eager_refusal
-from hf_paged.engine.worker.kv_budget import too_few_kv_blocks
+from hf_paged.engine.worker.kv_budget import check_kv_blocks
 from hf_paged.engine.worker.prompt_scores import score_prompt_rows
 from hf_paged.engine.worker.runner_memory import RunnerMemory
 from hf_paged.engine.worker.runner_output import PendingTokens, RunnerOutput
@@ -198,9 +198,7 @@ class ModelRunner:
         num_blocks = int(self.comm.all_reduce(t, op="min").item())  # every rank the same count
         if error is not None:
             raise error
-        mm = self.max_model_len
-        if too_few := too_few_kv_blocks(num_blocks, own, block_bytes, self.block_size, mm):
-            raise too_few
+        check_kv_blocks(num_blocks, own, block_bytes, self.block_size, self.max_model_len)
         self._set_kv_cache(num_blocks)
         return num_blocks
 
