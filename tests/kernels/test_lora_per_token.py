@@ -14,7 +14,7 @@ import torch
 
 from hf_paged.kernels.lora_per_token import lora_per_token_ref
 from hf_paged.kernels.lora_segmented import LoraSegments, lora_ref
-from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import interpret_main
 
 RANKS = [1, 2, 7, 16, 33, 64]
 
@@ -77,15 +77,9 @@ def _cases():
     return cases
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_interpreter_cases(__file__, timeout=900)
-
-
 @pytest.mark.parametrize("name", list(_cases()))
-def test_triton_matches_reference_interpreted(results, name):
-    value = results[name]
-    assert not isinstance(value, str), value
+def test_triton_matches_reference_interpreted(interpreted, name):
+    value = interpreted[name]
     if name.startswith(("r4_no_adapter", "r8_batch")):
         assert value == 0.0, f"{name}: the kernel's bits differ"
     else:
