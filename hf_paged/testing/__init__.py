@@ -3,7 +3,8 @@
 from another test module.
 
 - ``models``: ``tiny_config`` / ``build_hf_model`` / ``save_tiny_model`` per native family,
-  ``save_checkpoint`` (model + tokenizer), ``save_demo_model``, ``randomize_``;
+  ``save_checkpoint`` (model + tokenizer), ``save_demo_model``, ``randomize_``,
+  ``save_random_lora`` (a PEFT LoRA adapter that changes the tokens);
 - ``any_model``: ``build_tiny`` / ``shrink_config`` for any transformers architecture;
 - ``tokenizer``: ``build_char_tokenizer`` (``models.tiny_tokenizer`` pads it to the tiny vocab);
 - ``prompts``: ``make_prompts``, ``spread_prompts``, ``left_pad`` / ``right_pad``;
@@ -31,6 +32,7 @@ from hf_paged.testing.models import (
     randomize_,
     save_checkpoint,
     save_demo_model,
+    save_random_lora,
     save_tiny_model,
     tiny_config,
     tiny_tokenizer,
@@ -72,6 +74,7 @@ __all__ = [
     "run_step",
     "save_checkpoint",
     "save_demo_model",
+    "save_random_lora",
     "save_tiny_model",
     "shrink_config",
     "spread_prompts",

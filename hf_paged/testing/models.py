@@ -141,3 +141,22 @@ def save_demo_model(path: str, seed: int = 0, family: str = "qwen3") -> str:
     save_tiny_model(family, path, seed=seed, vocab_size=len(tok))
     tok.save_pretrained(path)
     return path
+
+
+def save_random_lora(base_dir: str | os.PathLike, out: str | os.PathLike, r: int,
+                     targets: list[str], seed: int) -> str:  # fmt: skip
+    """A PEFT LoRA adapter of rank ``r`` (alpha ``2 r``) on ``targets`` over the model in
+    ``base_dir``, its A and B drawn at random (0.3 N(0, 1), from ``seed``) so that it changes
+    the tokens (PEFT's B starts at zero), saved to ``out``; returns ``out``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return str(out)
