@@ -113,11 +113,14 @@ def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _segment_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, pid_m, seg,
-                      BLOCK_M: tl.constexpr):  # fmt: skip
-        """Both kernels' prologue: segment ``seg``'s adapter slot, whether row block ``pid_m``
-        is idle (no adapter, or past the segment's end), and that block's token rows [BLOCK_M]
-        with their mask. A segment without an adapter counts as empty, so it reads no rows."""
+    def _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, SEG_AXIS: tl.constexpr,
+                    BLOCK_M: tl.constexpr):  # fmt: skip
+        """Both kernels' prologue, for a program of row block ``program_id(0)`` in segment
+        ``program_id(SEG_AXIS)``: the segment's adapter slot, whether the block is idle (no
+        adapter, or past the segment's end), and its token rows [BLOCK_M] with their mask. A
+        segment without an adapter counts as empty, so it reads no rows."""
+        pid_m = tl.program_id(0)
+        seg = tl.program_id(SEG_AXIS)
         slot = tl.load(slots_ptr + seg)
         seg_len = tl.where(slot < 0, 0, tl.load(lens_ptr + seg))
         m0 = pid_m * BLOCK_M
@@ -131,8 +134,7 @@ if triton is not None:
                        K, R, stride_x, stride_as, stride_ar, stride_y,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                        PRECISION: tl.constexpr):  # fmt: skip
-        slot, idle, rows, m_mask = _segment_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr,
-                                                 tl.program_id(0), tl.program_id(1), BLOCK_M)  # fmt: skip
+        slot, idle, rows, m_mask = _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, 1, BLOCK_M)
         if idle:
             return
         rr = tl.arange(0, BLOCK_R)
@@ -158,8 +160,7 @@ if triton is not None:
                        slots_ptr, N, R, OFFSET, stride_y, stride_bs, stride_bn, stride_o,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        PRECISION: tl.constexpr):  # fmt: skip
-        slot, idle, rows, m_mask = _segment_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr,
-                                                 tl.program_id(0), tl.program_id(2), BLOCK_M)  # fmt: skip
+        slot, idle, rows, m_mask = _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, 2, BLOCK_M)
         if idle:
             return
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
