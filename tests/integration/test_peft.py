@@ -184,19 +184,12 @@ def test_modules_to_save_copy_is_served(base_outputs):
         assert torch.equal(_same_as_stock(model), base_outputs["llama"])
 
 
-def test_engine_reused_across_adapter_changes(monkeypatch):
+def test_engine_reused_across_adapter_changes(engines_built):
     """Plain LoRA is served from slots: a scaling change needs no rebuild. Merged adapters
     (``modules_to_save`` keeps the merged path) rebuild when their state changes."""
     from peft.tuners.lora import LoraLayer
 
-    built = []
-    real = dispatch.engine_factory
-
-    def counting(model, config):
-        built.append(real(model, config))
-        return built[-1]
-
-    monkeypatch.setattr(dispatch, "engine_factory", counting)
+    built = engines_built
     for targets, extra, engines in (
         (ATTN + MLP, {}, 1),
         (["v_proj"], {"modules_to_save": ["lm_head"]}, 2),
