@@ -3,7 +3,7 @@
 ``one_thread`` and ``clean_dispatch`` are what the HF-integration and CLI folders turn on for
 every test of theirs (their conftest.py requests them from an autouse fixture).
 ``engines_built`` records the engines the ``generate`` dispatcher builds, for a test that counts
-them.
+them; ``small_llama`` is a tiny llama configured for ``SMALL_ENGINE``.
 """
 
 from __future__ import annotations
@@ -54,3 +54,16 @@ def engines_built(monkeypatch) -> list:
 
     monkeypatch.setattr(dispatch, "engine_factory", recording)
     return built
+
+
+@pytest.fixture
+def small_llama():
+    """A tiny fp32 llama (seed 0) configured for ``SMALL_ENGINE``; its engine released after
+    the test."""
+    from hf_paged.integration import dispatch
+    from hf_paged.testing import SMALL_ENGINE, build_hf_model
+
+    model = build_hf_model("llama", seed=0)
+    dispatch.configure(model, **SMALL_ENGINE)
+    yield model
+    dispatch.release(model)
