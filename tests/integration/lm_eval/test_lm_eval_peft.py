@@ -75,9 +75,8 @@ def runs(tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("lm_eval_peft"))
     model = save_demo_model(os.path.join(root, "model"), seed=0)
-    adapter = save_random_lora(
-        model, os.path.join(root, "adapter"), 4, ["q_proj", "v_proj", "down_proj"], 3
-    )
+    adapter = save_random_lora(model, os.path.join(root, "adapter"), 3, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
     tasks = write_tasks(root)
     cmds = {name: lm_eval_cmd(model, adapter, tasks, os.path.join(root, name), paged)
             for name, paged in (("stock", False), ("paged", True))}  # fmt: skip

@@ -47,7 +47,7 @@ def _peft(base_dir, adapter_dir, prompt, device):
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("decode_slots")
     base = save_checkpoint(str(tmp / "base"))
-    dirs = {n: save_random_lora(base, str(tmp / n), r, t, seed)
+    dirs = {n: save_random_lora(base, str(tmp / n), seed, r=r, lora_alpha=2 * r, target_modules=t)
             for seed, (n, (r, t)) in enumerate(ADAPTERS.items())}  # fmt: skip
     prompts = make_prompts([3, 5, 9, 6, 1, 4], seed=3, vocab=150)
     ids = {n: i + 1 for i, n in enumerate(ADAPTERS)}

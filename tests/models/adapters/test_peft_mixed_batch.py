@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from hf_paged import PagedFallbackWarning  # noqa: E402
 from hf_paged.integration import dispatch  # noqa: E402
 from hf_paged.testing import PAD, SMALL_ENGINE, build_hf_model, left_pad, make_prompts  # noqa: E402
+from hf_paged.testing.models import randomize_lora_  # noqa: E402
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -28,14 +29,6 @@ ADAPTERS = {"sql": (4, 8, ATTN + MLP), "chat": (2, 4, ["q_proj", "v_proj", "down
 LENGTHS = [1, 3, 4, 5, 9]  # 5 rows: 1 and both sides of the 4-token block boundaries
 NAMES = ["sql", "__base__", "chat", "code", "sql"]
 NEW = 10
-
-
-def _randomize(model, adapter: str, seed: int, scale: float = 0.3) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name and "lora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
 
 
 def _model(names=("sql", "chat", "code"), family="llama"):
@@ -48,7 +41,7 @@ def _model(names=("sql", "chat", "code"), family="llama"):
             model = get_peft_model(base, cfg, adapter_name=n)
         else:
             model.add_adapter(n, cfg)
-        _randomize(model, n, seed=100 + i)
+        randomize_lora_(model, seed=100 + i, adapter=n)
     model.eval()
     dispatch.configure(model, **SMALL_ENGINE)
     return model
@@ -123,7 +116,7 @@ def test_adapter_added_after_build_then_used_by_name(engines_built):
     _both(model, adapter_names=["sql"] * len(LENGTHS), **kw)
     r, alpha, targets = ADAPTERS["chat"]
     model.add_adapter("late", LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
-    _randomize(model, "late", seed=9)
+    randomize_lora_(model, seed=9, adapter="late")
     out = _both(model, adapter_names=["late", "sql", "__base__", "late", "sql"], **kw)
     with torch.no_grad():  # an in-place update of the late adapter: a new key, not stale KV
         model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["late"].weight.mul_(-4)
@@ -173,7 +166,7 @@ def test_adapters_trained_in_place_by_a_fused_optimizer(engines_built):
     first = _both(model, adapter_names=names, **kw)
     r, alpha, targets = ADAPTERS["code"]
     model.add_adapter("code", LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
-    _randomize(model, "code", seed=5)
+    randomize_lora_(model, seed=5, adapter="code")
     late = ["code", "sql", "__base__", "code", "chat"]
     _both(model, adapter_names=late, **kw)
     for step_on in (["sql"], ["code"]):
