@@ -2,6 +2,8 @@
 
 ``one_thread`` and ``clean_dispatch`` are what the HF-integration and CLI folders turn on for
 every test of theirs (their conftest.py requests them from an autouse fixture).
+``engines_built`` records the engines the ``generate`` dispatcher builds, for a test that counts
+them; ``small_llama`` is a tiny llama configured for ``SMALL_ENGINE``.
 """
 
 from __future__ import annotations
@@ -35,3 +37,33 @@ def clean_dispatch(monkeypatch):
     yield
     dispatch.set_default_backend(None)
     envs.reset()
+
+
+@pytest.fixture
+def engines_built(monkeypatch) -> list:
+    """The engines the ``generate`` dispatcher builds in this test, in order (each one is still
+    built by the real factory)."""
+    from hf_paged.integration import dispatch
+
+    built = []
+    real = dispatch.engine_factory
+
+    def recording(model, config):
+        built.append(real(model, config))
+        return built[-1]
+
+    monkeypatch.setattr(dispatch, "engine_factory", recording)
+    return built
+
+
+@pytest.fixture
+def small_llama():
+    """A tiny fp32 llama (seed 0) configured for ``SMALL_ENGINE``; its engine released after
+    the test."""
+    from hf_paged.integration import dispatch
+    from hf_paged.testing import SMALL_ENGINE, build_hf_model
+
+    model = build_hf_model("llama", seed=0)
+    dispatch.configure(model, **SMALL_ENGINE)
+    yield model
+    dispatch.release(model)

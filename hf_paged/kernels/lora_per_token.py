@@ -98,17 +98,22 @@ def lora_per_token_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b
 if triton is not None:
 
     @triton.jit
+    def _token_rank(slots_ptr, R, BLOCK_R: tl.constexpr):
+        """Both kernels' prologue: this program's token, its adapter slot (-1: none) and the
+        rank lanes [BLOCK_R] with their mask."""
+        tok = tl.program_id(0)
+        rr = tl.arange(0, BLOCK_R)
+        return tok, tl.load(slots_ptr + tok), rr, rr < R
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, part_ptr, slots_ptr, K, R, K_PER_SPLIT,
                        stride_x, stride_as, stride_ar, stride_pt, stride_ps,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        tok = tl.program_id(0)
-        sp = tl.program_id(1)
-        slot = tl.load(slots_ptr + tok)
+        tok, slot, rr, r_mask = _token_rank(slots_ptr, R, BLOCK_R)
         if slot < 0:
             return
-        rr = tl.arange(0, BLOCK_R)
+        sp = tl.program_id(1)
         rk = tl.arange(0, BLOCK_K)
-        r_mask = rr < R
         a_base = a_ptr + slot.to(tl.int64) * stride_as
         x_base = x_ptr + tok.to(tl.int64) * stride_x
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -127,18 +132,14 @@ if triton is not None:
                        stride_pt, stride_ps, stride_bs, stride_bn, stride_o,
                        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_R: tl.constexpr):  # fmt: skip
-        tok = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        slot = tl.load(slots_ptr + tok)
+        tok, slot, rr, r_mask = _token_rank(slots_ptr, R, BLOCK_R)
         if slot < 0:
             return
-        rr = tl.arange(0, BLOCK_R)
         rs = tl.arange(0, SPLIT)
-        r_mask = rr < R
         parts = tl.load(part_ptr + tok.to(tl.int64) * stride_pt + rs[:, None] * stride_ps
                         + rr[None, :], mask=r_mask[None, :], other=0.0)  # fmt: skip
         y = tl.sum(parts, axis=0)  # [BLOCK_R]
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = rn < N
         bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None] * stride_bn + rr[None, :],
                      mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # fmt: skip

@@ -113,20 +113,30 @@ def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Te
 if triton is not None:
 
     @triton.jit
+    def _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, SEG_AXIS: tl.constexpr,
+                    BLOCK_M: tl.constexpr):  # fmt: skip
+        """Both kernels' prologue, for a program of row block ``program_id(0)`` in segment
+        ``program_id(SEG_AXIS)``: the segment's adapter slot, whether the block is idle (no
+        adapter, or past the segment's end), and its token rows [BLOCK_M] with their mask. A
+        segment without an adapter counts as empty, so it reads no rows."""
+        pid_m = tl.program_id(0)
+        seg = tl.program_id(SEG_AXIS)
+        slot = tl.load(slots_ptr + seg)
+        seg_len = tl.where(slot < 0, 0, tl.load(lens_ptr + seg))
+        m0 = pid_m * BLOCK_M
+        rm = m0 + tl.arange(0, BLOCK_M)
+        m_mask = rm < seg_len
+        rows = tl.load(idx_ptr + tl.load(starts_ptr + seg) + rm, mask=m_mask, other=0)
+        return slot, m0 >= seg_len, rows, m_mask
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, y_ptr, idx_ptr, starts_ptr, lens_ptr, slots_ptr,
                        K, R, stride_x, stride_as, stride_ar, stride_y,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                        PRECISION: tl.constexpr):  # fmt: skip
-        pid_m = tl.program_id(0)
-        seg = tl.program_id(1)
-        slot = tl.load(slots_ptr + seg)
-        seg_len = tl.load(lens_ptr + seg)
-        m0 = pid_m * BLOCK_M
-        if (slot < 0) | (m0 >= seg_len):
+        slot, idle, rows, m_mask = _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, 1, BLOCK_M)
+        if idle:
             return
-        rm = m0 + tl.arange(0, BLOCK_M)
-        m_mask = rm < seg_len
-        rows = tl.load(idx_ptr + tl.load(starts_ptr + seg) + rm, mask=m_mask, other=0)
         rr = tl.arange(0, BLOCK_R)
         rk = tl.arange(0, BLOCK_K)
         r_mask = rr < R
@@ -150,18 +160,10 @@ if triton is not None:
                        slots_ptr, N, R, OFFSET, stride_y, stride_bs, stride_bn, stride_o,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        PRECISION: tl.constexpr):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        seg = tl.program_id(2)
-        slot = tl.load(slots_ptr + seg)
-        seg_len = tl.load(lens_ptr + seg)
-        m0 = pid_m * BLOCK_M
-        if (slot < 0) | (m0 >= seg_len):
+        slot, idle, rows, m_mask = _block_rows(idx_ptr, starts_ptr, lens_ptr, slots_ptr, 2, BLOCK_M)
+        if idle:
             return
-        rm = m0 + tl.arange(0, BLOCK_M)
-        m_mask = rm < seg_len
-        rows = tl.load(idx_ptr + tl.load(starts_ptr + seg) + rm, mask=m_mask, other=0)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rr = tl.arange(0, BLOCK_R)
         n_mask = rn < N
         r_mask = rr < R

@@ -3,7 +3,8 @@
 from another test module.
 
 - ``models``: ``tiny_config`` / ``build_hf_model`` / ``save_tiny_model`` per native family,
-  ``save_checkpoint`` (model + tokenizer), ``save_demo_model``, ``randomize_``;
+  ``save_checkpoint`` (model + tokenizer), ``save_demo_model``, ``randomize_``,
+  ``randomize_lora_`` / ``save_random_lora`` (PEFT LoRA factors that change the tokens);
 - ``any_model``: ``build_tiny`` / ``shrink_config`` for any transformers architecture;
 - ``tokenizer``: ``build_char_tokenizer`` (``models.tiny_tokenizer`` pads it to the tiny vocab);
 - ``prompts``: ``make_prompts``, ``spread_prompts``, ``left_pad`` / ``right_pad``;
@@ -29,8 +30,10 @@ from hf_paged.testing.models import (
     TINY_VOCAB,
     build_hf_model,
     randomize_,
+    randomize_lora_,
     save_checkpoint,
     save_demo_model,
+    save_random_lora,
     save_tiny_model,
     tiny_config,
     tiny_tokenizer,
@@ -67,11 +70,13 @@ __all__ = [
     "paged_greedy",
     "random_words",
     "randomize_",
+    "randomize_lora_",
     "right_pad",
     "run_ranks",
     "run_step",
     "save_checkpoint",
     "save_demo_model",
+    "save_random_lora",
     "save_tiny_model",
     "shrink_config",
     "spread_prompts",

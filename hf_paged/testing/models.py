@@ -141,3 +141,33 @@ def save_demo_model(path: str, seed: int = 0, family: str = "qwen3") -> str:
     save_tiny_model(family, path, seed=seed, vocab_size=len(tok))
     tok.save_pretrained(path)
     return path
+
+
+def randomize_lora_(model, seed: int, adapter: str | None = None, scale: float = 0.3,
+                    modules_to_save: bool = False):  # fmt: skip
+    """Draw a PEFT model's LoRA factors (``adapter``'s, or every adapter's) from ``scale``
+    N(0, 1), seeded by ``seed``, in parameter order, so that the adapter changes the tokens (PEFT
+    starts B at zero); with ``modules_to_save`` also the adapter's full-module copies. Returns
+    ``model``."""
+    g = torch.Generator().manual_seed(seed)
+    kinds = ("lora_", "modules_to_save") if modules_to_save else ("lora_",)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in kinds) and (adapter is None or f".{adapter}." in name):
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_random_lora(base_dir: str | os.PathLike, out: str | os.PathLike, seed: int,
+                     scale: float = 0.3, **lora_config) -> str:  # fmt: skip
+    """A PEFT LoRA adapter (``LoraConfig(**lora_config)``) over the model in ``base_dir``, its
+    factors drawn by ``randomize_lora_`` (``seed``, ``scale``), saved to ``out``; returns
+    ``out``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(**lora_config)
+    )
+    randomize_lora_(model, seed, scale=scale).save_pretrained(out)
+    return str(out)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
-from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_paged import LLM, LoRARequest, SamplingParams  # noqa: E402
 from hf_paged.testing import SMALL_ENGINE, make_prompts, save_checkpoint  # noqa: E402
+from hf_paged.testing.models import save_random_lora  # noqa: E402
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -31,21 +31,10 @@ LENGTHS = [1, 3, 4, 5, 9, 6]
 NEW = 10
 
 
-def _randomize(model, adapter: str, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name and "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-
-
 def _save_adapter(base_dir: str, out: str, name: str, seed: int, **overrides) -> str:
     r, alpha, targets, rslora = SPECS[name]
     cfg = {**dict(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora), **overrides}
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(**cfg))
-    _randomize(model, "default", seed)
-    model.save_pretrained(out)
-    return out
+    return save_random_lora(base_dir, out, seed, **cfg)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from hf_paged.testing import (  # noqa: E402
     fallback_warnings,
     left_pad,
     make_prompts,
+    randomize_lora_,
     tiny_tokenizer,
 )
 
@@ -49,19 +50,10 @@ LENGTHS = [1, 3, 4, 5, 8, 9]  # 1 and both sides of the 4-token block boundaries
 NEW = 16
 
 
-def _randomize_adapter(model, adapter: str, seed: int, scale: float = 0.3) -> None:
-    """Random lora_A and lora_B (and modules_to_save copies) for ``adapter``."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name and ("lora_" in name or "modules_to_save" in name):
-                p.copy_(scale * torch.randn(p.shape, generator=g))
-
-
 def _lora(family: str = "llama", targets=ATTN + MLP, seed: int = 0, **config):
     base = build_hf_model(family, seed=seed)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, **config))
-    _randomize_adapter(model, "default", seed + 100)
+    randomize_lora_(model, seed + 100, "default", modules_to_save=True)
     return model.eval()
 
 
@@ -156,7 +148,7 @@ def test_second_adapter_set_active():
     model = _lora("llama")
     first = _same_as_stock(model)
     model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=MLP + ["q_proj"]))
-    _randomize_adapter(model, "second", seed=7)
+    randomize_lora_(model, 7, "second", modules_to_save=True)
     model.set_adapter("second")
     second = _same_as_stock(model)
     assert not torch.equal(first, second)
@@ -184,19 +176,12 @@ def test_modules_to_save_copy_is_served(base_outputs):
         assert torch.equal(_same_as_stock(model), base_outputs["llama"])
 
 
-def test_engine_reused_across_adapter_changes(monkeypatch):
+def test_engine_reused_across_adapter_changes(engines_built):
     """Plain LoRA is served from slots: a scaling change needs no rebuild. Merged adapters
     (``modules_to_save`` keeps the merged path) rebuild when their state changes."""
     from peft.tuners.lora import LoraLayer
 
-    built = []
-    real = dispatch.engine_factory
-
-    def counting(model, config):
-        built.append(real(model, config))
-        return built[-1]
-
-    monkeypatch.setattr(dispatch, "engine_factory", counting)
+    built = engines_built
     for targets, extra, engines in (
         (ATTN + MLP, {}, 1),
         (["v_proj"], {"modules_to_save": ["lm_head"]}, 2),
@@ -286,7 +271,7 @@ def adapter_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapter")
     base = AutoModelForCausalLM.from_pretrained(save_checkpoint(str(root / "base")))
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=ATTN + MLP))
-    _randomize_adapter(model, "default", seed=5)
+    randomize_lora_(model, 5, "default", modules_to_save=True)
     model.save_pretrained(str(root / "adapter"))
     tiny_tokenizer().save_pretrained(str(root / "adapter"))
     return str(root / "adapter")
@@ -330,7 +315,7 @@ def test_bf16_base_with_fp32_adapters_is_served():
     """PEFT upcasts adapter weights to fp32 on a bf16 base; the merged weights are bf16."""
     base = build_hf_model("llama", seed=0).to(torch.bfloat16)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"])).eval()
-    _randomize_adapter(model, "default", seed=2)
+    randomize_lora_(model, 2, "default", modules_to_save=True)
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
     ids = torch.tensor([[5, 6, 7, 8]])
     with warnings.catch_warnings():
@@ -352,7 +337,7 @@ def _prompt_tuning():
 def _ia3():
     cfg = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
     model = get_peft_model(build_hf_model("llama", seed=0), cfg)
-    _randomize_adapter(model, "default", seed=3, scale=1.0)
+    randomize_lora_(model, 3, "default", scale=1.0, modules_to_save=True)
     return model.eval()
 
 
@@ -432,12 +417,7 @@ def _cuda_lora(family: str, dtype=torch.float32):
     base = build_hf_model(family, seed=0).to("cuda", dtype)
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)
     model = peft.get_peft_model(base, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    return randomize_lora_(model, seed=1).eval()
 
 
 def _cuda_inputs():

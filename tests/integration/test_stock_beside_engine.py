@@ -25,14 +25,6 @@ from hf_paged.testing import SMALL_ENGINE, build_hf_model, left_pad, make_prompt
 
 
 @pytest.fixture
-def model():
-    m = build_hf_model("llama", seed=0)
-    dispatch.configure(m, **SMALL_ENGINE)
-    yield m
-    dispatch.release(m)
-
-
-@pytest.fixture
 def gives_back(monkeypatch):
     """Every engine counts as one that holds device memory (CPU engines otherwise keep it)."""
     monkeypatch.setattr(engine_owner, "gives_back_for_stock", lambda engine: True)
@@ -49,42 +41,42 @@ def _stock_without_engine(**kw):
     return fresh.generate(**kw, backend="hf")
 
 
-def test_backend_hf_closes_the_engine_and_paged_rebuilds_it(model, gives_back):
+def test_backend_hf_closes_the_engine_and_paged_rebuilds_it(small_llama, gives_back):
     kw = _inputs()
-    paged = model.generate(**kw, backend="paged")
-    owner = engine_owner.existing_owner(model)
+    paged = small_llama.generate(**kw, backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
     first = owner.engine
     built_with = owner.built_with
     assert first is not None and not first._closed
 
-    stock = model.generate(**kw, backend="hf")
+    stock = small_llama.generate(**kw, backend="hf")
     assert first._closed  # KV cache, graphs and buffers given back
     assert owner.engine is None and owner.gave_back == 1
     assert torch.equal(stock, _stock_without_engine(**kw))
     assert torch.equal(stock, paged)  # greedy parity on the tiny fp32 model
 
-    again = model.generate(**kw, backend="paged")
+    again = small_llama.generate(**kw, backend="paged")
     assert owner.engine is not None and owner.engine is not first
     assert owner.built_with == built_with
     assert torch.equal(again, paged)
 
 
-def test_no_switch_stock_call_also_gives_back(model, gives_back):
+def test_no_switch_stock_call_also_gives_back(small_llama, gives_back):
     kw = _inputs()
-    model.generate(**kw, backend="paged")
-    owner = engine_owner.existing_owner(model)
-    model.generate(**kw)  # no switch: stock
+    small_llama.generate(**kw, backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
+    small_llama.generate(**kw)  # no switch: stock
     assert owner.engine is None and owner.gave_back == 1
 
 
-def test_a_named_fallback_gives_back_before_running_stock(model, gives_back):
+def test_a_named_fallback_gives_back_before_running_stock(small_llama, gives_back):
     kw = _inputs()
-    paged = model.generate(**kw, backend="paged")
-    owner = engine_owner.existing_owner(model)
+    paged = small_llama.generate(**kw, backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
     first = owner.engine
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model.generate(
+        out = small_llama.generate(
             **kw, output_attentions=True, return_dict_in_generate=True, backend="paged"
         )  # output_attentions: a named fallback
     assert any(issubclass(w.category, PagedFallbackWarning) for w in caught)
@@ -107,25 +99,25 @@ def test_the_config_of_a_per_call_engine_survives_the_give_back(gives_back):
         dispatch.release(m)
 
 
-def test_a_held_engine_is_kept(model, gives_back):
+def test_a_held_engine_is_kept(small_llama, gives_back):
     kw = _inputs()
-    paged = model.generate(**kw, backend="paged")
-    owner = engine_owner.existing_owner(model)
-    with dispatch.hold_engine(model) as engine:
-        stock = model.generate(**kw, backend="hf")  # a stock call inside a held block
+    paged = small_llama.generate(**kw, backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
+    with dispatch.hold_engine(small_llama) as engine:
+        stock = small_llama.generate(**kw, backend="hf")  # a stock call inside a held block
         assert owner.engine is engine and not engine._closed
     assert torch.equal(stock, paged)
     assert owner.gave_back == 0
-    assert torch.equal(model.generate(**kw, backend="paged"), paged)
+    assert torch.equal(small_llama.generate(**kw, backend="paged"), paged)
 
 
-def test_cpu_engines_keep_their_memory(model):
+def test_cpu_engines_keep_their_memory(small_llama):
     """The predicate itself: only an engine on a CUDA device gives back."""
     kw = _inputs()
-    model.generate(**kw, backend="paged")
-    owner = engine_owner.existing_owner(model)
+    small_llama.generate(**kw, backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
     engine = owner.engine
-    model.generate(**kw, backend="hf")
+    small_llama.generate(**kw, backend="hf")
     assert owner.engine is engine and not engine._closed and owner.gave_back == 0
     assert not engine_owner.gives_back_for_stock(engine)
     for device, want in (("cuda", True), ("cuda:1", True), ("cpu", False)):
@@ -139,18 +131,18 @@ def test_a_model_without_an_engine_is_left_alone():
     assert engine_owner.existing_owner(m) is None  # nothing was made for it
 
 
-def test_lm_eval_stock_methods_give_back_first(model, gives_back):
+def test_lm_eval_stock_methods_give_back_first(small_llama, gives_back):
     """lm-eval's stock loglikelihood runs plain forwards (not through generate): the adapter
     gives the engine back before it calls stock's method."""
-    model.generate(**_inputs(), backend="paged")
-    owner = engine_owner.existing_owner(model)
+    small_llama.generate(**_inputs(), backend="paged")
+    owner = engine_owner.existing_owner(small_llama)
     seen = []
 
     def original(lm, requests, **kwargs):
         seen.append(owner.engine)
         return ["stock"] * len(requests)
 
-    lm = SimpleNamespace(model=model)
+    lm = SimpleNamespace(model=small_llama)
     assert lm_eval_install._stock(original, lm, [1, 2], disable_tqdm=True) == ["stock"] * 2
     assert seen == [None] and owner.gave_back == 1
 

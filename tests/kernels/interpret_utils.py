@@ -79,3 +79,40 @@ def interpret_main(cases: dict) -> None:
         except Exception:
             results[name] = traceback.format_exc()
     print(json.dumps(results))
+
+
+def random_lora(rank: int, num_tokens: int = 37, num_slots: int = 4, k: int = 48, n: int = 40,
+                dtype=None, device="cpu", seed: int = 0, no_adapter: bool = False):  # fmt: skip
+    """A random LoRA problem for the LoRA kernels: ``x`` [T, K], the stacked factors ``a``
+    [S, R, K] and ``b`` [S, N, R], an output ``out`` [T, N + 24] (a fused layer's: the LoRA
+    columns start at 8), ``scales`` [S] and each token's slot, a list: mixed and unsorted, some
+    tokens without an adapter (-1, every one with ``no_adapter``), slot 2 never used."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(num_tokens, k, generator=gen)
+    a = torch.randn(num_slots, rank, k, generator=gen) / k**0.5
+    b = torch.randn(num_slots, n, rank, generator=gen)
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    slots = [-1 if no_adapter else [0, 1, 3, -1][(7 * t + seed) % 4] for t in range(num_tokens)]
+    out = torch.randn(num_tokens, n + 24, generator=gen)
+    x, a, b, out = (t.to(device=device, dtype=dtype or torch.float32) for t in (x, a, b, out))
+    return x, a, b, out, scales.to(device), slots
+
+
+def assert_lora_bf16_close(reference, kernel, rank: int, num_tokens: int, k: int,
+                           index_of) -> None:  # fmt: skip
+    """A LoRA kernel (``kernel(x, out, a, b, scales, index, offset)``) on a bf16 CUDA
+    ``random_lora`` problem equals its torch ``reference`` run in fp32 on the same inputs, to
+    bf16's tolerance; ``index_of(slots)`` is the kernel's token index. Skips without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, a, b, out, scales, slots = random_lora(rank, num_tokens, k=k, n=768, dtype=torch.bfloat16,
+                                              device="cuda")  # fmt: skip
+    index = index_of(slots)
+    want, got = out.float().clone(), out.clone()
+    reference(x.float(), want, a.float(), b.float(), scales, index, offset=8)
+    kernel(x, got, a, b, scales, index, offset=8)
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)

@@ -14,24 +14,15 @@ import torch
 
 from hf_paged.kernels.lora_per_token import lora_per_token_ref
 from hf_paged.kernels.lora_segmented import LoraSegments, lora_ref
-from tests.kernels.interpret_utils import interpret_main, run_interpreter_cases
+from tests.kernels.interpret_utils import assert_lora_bf16_close, interpret_main, random_lora
 
 RANKS = [1, 2, 7, 16, 33, 64]
 
 
-def _problem(rank, num_tokens=37, num_slots=4, k=48, n=40, dtype=torch.float32, device="cpu",
-             seed=0, no_adapter=False):  # fmt: skip
-    gen = torch.Generator().manual_seed(seed * 100 + rank)
-    x = torch.randn(num_tokens, k, generator=gen)
-    a = torch.randn(num_slots, rank, k, generator=gen) / k**0.5
-    b = torch.randn(num_slots, n, rank, generator=gen)
-    scales = torch.rand(num_slots, generator=gen) + 0.5
-    # mixed slots, unsorted, some tokens without an adapter; slot 2 is never used
-    slots = [-1 if no_adapter else [0, 1, 3, -1][(7 * t + seed) % 4] for t in range(num_tokens)]
-    out = torch.randn(num_tokens, n + 24, generator=gen)  # a fused output: LoRA at offset 8
-    to = lambda *ts: [t.to(device=device, dtype=dtype) for t in ts]  # noqa: E731
-    slots_t = torch.tensor(slots, dtype=torch.int32, device=device)
-    return (*to(x, a, b, out), scales.to(device), slots_t)
+def _problem(rank, *args, device="cpu", **kwargs):
+    """``random_lora`` with the slots as the int32 device tensor the per-token kernels take."""
+    *tensors, slots = random_lora(rank, *args, device=device, **kwargs)
+    return (*tensors, torch.tensor(slots, dtype=torch.int32, device=device))
 
 
 def _kernel_error(rank, num_tokens=37, k=48, view=False, no_adapter=False):
@@ -77,15 +68,9 @@ def _cases():
     return cases
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_interpreter_cases(__file__, timeout=900)
-
-
 @pytest.mark.parametrize("name", list(_cases()))
-def test_triton_matches_reference_interpreted(results, name):
-    value = results[name]
-    assert not isinstance(value, str), value
+def test_triton_matches_reference_interpreted(interpreted, name):
+    value = interpreted[name]
     if name.startswith(("r4_no_adapter", "r8_batch")):
         assert value == 0.0, f"{name}: the kernel's bits differ"
     else:
@@ -114,16 +99,10 @@ def test_reference_is_peft_per_row_and_the_segmented_reference(rank):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_triton_matches_reference_on_gpu(rank):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from hf_paged.kernels.lora_per_token import lora_per_token_triton
 
-    x, a, b, out, scales, slots = _problem(rank, num_tokens=64, k=4096, n=768,
-                                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    want, got = out.float().clone(), out.clone()
-    lora_per_token_ref(x.float(), want, a.float(), b.float(), scales, slots, offset=8)
-    lora_per_token_triton(x, got, a, b, scales, slots, offset=8)
-    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
+    to_tensor = lambda s: torch.tensor(s, dtype=torch.int32, device="cuda")  # noqa: E731
+    assert_lora_bf16_close(lora_per_token_ref, lora_per_token_triton, rank, 64, 4096, to_tensor)
 
 
 @pytest.mark.gpu

@@ -73,66 +73,58 @@ def _dispatch(one_thread, clean_dispatch):
     """The dispatcher installed, switches and fallback warnings reset (tests/conftest.py)."""
 
 
-@pytest.fixture
-def llama():
-    model = build_hf_model("llama", seed=0)
-    dispatch.configure(model, **SMALL_ENGINE)
-    yield model
-    dispatch.release(model)
-
-
 def _first_paged_call(model):
     first = _generate(model, "paged")
     return first, _engine_state(model)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_optimizer_steps_are_served_without_a_rebuild(llama, optimizer):
-    first, before = _first_paged_call(llama)
-    _train(llama, OPTIMIZERS[optimizer](llama.parameters()))
-    _assert_paged_is_stock(llama, before)
-    assert not torch.equal(first.sequences, _generate(llama, "hf").sequences)  # it mattered
+def test_optimizer_steps_are_served_without_a_rebuild(small_llama, optimizer):
+    first, before = _first_paged_call(small_llama)
+    _train(small_llama, OPTIMIZERS[optimizer](small_llama.parameters()))
+    _assert_paged_is_stock(small_llama, before)
+    assert not torch.equal(first.sequences, _generate(small_llama, "hf").sequences)  # it mattered
 
 
-def test_load_state_dict_is_served_without_a_rebuild(llama):
-    first, before = _first_paged_call(llama)
-    llama.load_state_dict(build_hf_model("llama", seed=5).state_dict())
-    _assert_paged_is_stock(llama, before)
-    assert not torch.equal(first.sequences, _generate(llama, "hf").sequences)
+def test_load_state_dict_is_served_without_a_rebuild(small_llama):
+    first, before = _first_paged_call(small_llama)
+    small_llama.load_state_dict(build_hf_model("llama", seed=5).state_dict())
+    _assert_paged_is_stock(small_llama, before)
+    assert not torch.equal(first.sequences, _generate(small_llama, "hf").sequences)
 
 
-def test_copy_under_no_grad_and_writes_through_data_are_served(llama):
+def test_copy_under_no_grad_and_writes_through_data_are_served(small_llama):
     """``copy_`` bumps the version counter; ``.data`` writes bump nothing (the probe sees them)."""
-    _, before = _first_paged_call(llama)
+    _, before = _first_paged_call(small_llama)
     other = build_hf_model("llama", seed=6)
-    mlp, attn = llama.model.layers[1].mlp, llama.model.layers[0].self_attn
+    mlp, attn = small_llama.model.layers[1].mlp, small_llama.model.layers[0].self_attn
     with torch.no_grad():
         mlp.up_proj.weight.copy_(other.model.layers[1].mlp.up_proj.weight)
-    _assert_paged_is_stock(llama, before)
+    _assert_paged_is_stock(small_llama, before)
     attn.k_proj.weight.data.copy_(other.model.layers[0].self_attn.k_proj.weight)
-    _assert_paged_is_stock(llama, before)
+    _assert_paged_is_stock(small_llama, before)
 
 
-def test_a_replaced_parameter_rebuilds_the_engine(llama):
-    _, before = _first_paged_call(llama)
-    q = llama.model.layers[0].self_attn.q_proj
+def test_a_replaced_parameter_rebuilds_the_engine(small_llama):
+    _, before = _first_paged_call(small_llama)
+    q = small_llama.model.layers[0].self_attn.q_proj
     q.weight = torch.nn.Parameter(q.weight.detach() * -1.0)  # new storage: the engine's is old
-    _assert_paged_is_stock(llama)
-    assert dispatch.get_engine(llama) is not before[0]
+    _assert_paged_is_stock(small_llama)
+    assert dispatch.get_engine(small_llama) is not before[0]
 
 
-def test_refresh_drops_the_prefix_cache(llama):
+def test_refresh_drops_the_prefix_cache(small_llama):
     """Blocks cached under the old weights are not reused for the same prompt after a step.
     (A plain call: with ``return_dict_in_generate`` the returned cache is read back through the
     prefix cache, which counts hits of the call's own blocks.)"""
     plain = dict(return_dict_in_generate=False, output_scores=False)
-    _generate(llama, "paged", **plain)
-    _train(llama, OPTIMIZERS["adamw_fused"](llama.parameters()), steps=1)
-    engine = dispatch.get_engine(llama)  # refreshed here
+    _generate(small_llama, "paged", **plain)
+    _train(small_llama, OPTIMIZERS["adamw_fused"](small_llama.parameters()), steps=1)
+    engine = dispatch.get_engine(small_llama)  # refreshed here
     engine.block_manager.reset_stats()
-    _generate(llama, "paged", **plain)
+    _generate(small_llama, "paged", **plain)
     assert engine.block_manager.num_prefix_hit_tokens == 0
-    _generate(llama, "paged", **plain)  # unchanged weights: the prefix cache serves it again
+    _generate(small_llama, "paged", **plain)  # unchanged weights: the prefix cache serves it again
     assert engine.block_manager.num_prefix_hit_tokens > 0
 
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("peft")
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_paged import LLM, LoRARequest, SamplingParams  # noqa: E402
-from hf_paged.testing import save_checkpoint  # noqa: E402
+from hf_paged.testing import save_checkpoint, save_random_lora  # noqa: E402
 from tests.entrypoints.cli.procs import run_cli  # noqa: E402
 
 ENGINE = dict(num_kv_blocks=64, kv_block_size=4, device="cpu")
@@ -25,19 +22,10 @@ ENGINE_ARGS = ["--num-kv-blocks", "64", "--kv-block-size", "4", "--device", "cpu
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_lora")
     base = save_checkpoint(str(root / "base"))
-    dirs = {}
-    for i, (name, targets) in enumerate(
-        {"sql": ["q_proj", "v_proj"], "chat": ["down_proj"]}.items()
-    ):
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                               LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # fmt: skip
-        g = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.copy_(0.4 * torch.randn(p.shape, generator=g))
-        dirs[name] = str(root / name)
-        model.save_pretrained(dirs[name])
+    targets = {"sql": ["q_proj", "v_proj"], "chat": ["down_proj"]}
+    dirs = {name: save_random_lora(base, str(root / name), i, scale=0.4, r=4, lora_alpha=8,
+                                   target_modules=t)
+            for i, (name, t) in enumerate(targets.items())}  # fmt: skip
     return base, dirs
 
 

@@ -69,30 +69,14 @@ def close(a, b) -> bool:
     return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-4)
 
 
-def _adapter(model_dir: str, out: str) -> str:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                         "down_proj"]))  # fmt: skip
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from hf_paged.testing import save_demo_model
+    from hf_paged.testing import save_demo_model, save_random_lora
 
     root = str(tmp_path_factory.mktemp("lm_eval_peft"))
     model = save_demo_model(os.path.join(root, "model"), seed=0)
-    adapter = _adapter(model, os.path.join(root, "adapter"))
+    adapter = save_random_lora(model, os.path.join(root, "adapter"), 3, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
     tasks = write_tasks(root)
     cmds = {name: lm_eval_cmd(model, adapter, tasks, os.path.join(root, name), paged)
             for name, paged in (("stock", False), ("paged", True))}  # fmt: skip

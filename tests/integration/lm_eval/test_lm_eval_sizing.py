@@ -24,31 +24,27 @@ MAX_POS = 128  # the demo model's max_position_embeddings, so HFLM's default max
 
 
 @pytest.fixture
-def hflm(tmp_path, monkeypatch):
+def hflm(tmp_path, engines_built):
     """A stock HFLM at default model_args on the tiny model, the adapter installed, the
-    ``max_model_len`` of every engine build recorded."""
+    engines it builds recorded (``engines_built``, tests/conftest.py)."""
     from lm_eval.models.huggingface import HFLM
 
     from hf_paged.integration.lm_eval import install as adapter
 
     adapter.install_lm_eval()
-    builds = []
-    real = dispatch.engine_factory
-
-    def recording(model, config):
-        engine = real(model, config)
-        builds.append(engine.runtime.max_model_len)
-        return engine
-
-    monkeypatch.setattr(dispatch, "engine_factory", recording)
     lm = HFLM(pretrained=save_demo_model(str(tmp_path / "m")), device="cpu", dtype="float32",
               batch_size=4)  # fmt: skip
     assert lm.max_length == MAX_POS
     dispatch.set_default_backend("paged")
-    yield lm, builds
+    yield lm, engines_built
     dispatch.set_default_backend(None)
     dispatch.release(lm.model)
     adapter.uninstall_lm_eval()
+
+
+def _lengths(built) -> list[int]:
+    """The ``max_model_len`` of each engine built."""
+    return [engine.runtime.max_model_len for engine in built]
 
 
 def _requests(rng, n, ctx_len, cont_len):
@@ -82,14 +78,13 @@ def test_loglikelihood_builds_one_engine_and_equals_stock(hflm):
     stock = lm._loglikelihood_tokens(reqs)
     dispatch.set_default_backend("paged")
     ours = lm._loglikelihood_tokens(reqs)
-    assert len(builds) == 1, builds
     # a truncated window is max_length + 1 tokens; its prompt is one less, plus one new token
-    assert builds[0] == MAX_POS + 1
+    assert _lengths(builds) == [MAX_POS + 1]
     for (a, ga), (b, gb) in zip(stock, ours, strict=True):
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) and ga == gb
     positions = _positions_fed(lm.model)
     lm._loglikelihood_tokens(reqs)  # the same engine again: nothing is rebuilt
-    assert len(builds) == 1
+    assert _lengths(builds) == [MAX_POS + 1]
     assert max(positions) <= MAX_POS - 1  # never a position the model (or stock) lacks
 
 
@@ -98,7 +93,7 @@ def test_short_requests_keep_the_models_default_length(hflm):
     reqs = _requests(random.Random(1), 4, 12, 2)
     lm._loglikelihood_tokens(reqs)
     lm._loglikelihood_tokens(reqs)
-    assert builds == [MAX_POS]  # one build, at the model's own length
+    assert _lengths(builds) == [MAX_POS]  # one build, at the model's own length
 
 
 def test_generate_until_builds_one_engine(hflm):
@@ -115,9 +110,9 @@ def test_generate_until_builds_one_engine(hflm):
     stock = lm.generate_until(reqs)
     dispatch.set_default_backend("paged")
     assert lm.generate_until(reqs) == stock
-    assert builds == [MAX_POS]
+    assert _lengths(builds) == [MAX_POS]
     lm._loglikelihood_tokens(_requests(random.Random(2), 2, 10, 2))
-    assert builds == [MAX_POS]
+    assert _lengths(builds) == [MAX_POS]
 
 
 def test_engine_start_is_logged_with_its_reason(hflm, caplog):

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 pytest.importorskip("peft")
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import PeftModel  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_paged import LLM, LoRARequest, SamplingParams  # noqa: E402
 from hf_paged.testing import SMALL_ENGINE, make_prompts, save_checkpoint  # noqa: E402
+from hf_paged.testing.models import save_random_lora  # noqa: E402
 
 NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -28,18 +29,6 @@ ADAPTERS = {
     "two": (8, ["k_proj", "o_proj", "up_proj"]),
     "three": (2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
-
-
-def _save_adapter(base_dir, out, r, targets, seed):
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out)
-    return out
 
 
 def _peft(base_dir, adapter_dir, prompt, device):
@@ -58,7 +47,7 @@ def _peft(base_dir, adapter_dir, prompt, device):
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("decode_slots")
     base = save_checkpoint(str(tmp / "base"))
-    dirs = {n: _save_adapter(base, str(tmp / n), r, t, seed)
+    dirs = {n: save_random_lora(base, str(tmp / n), seed, r=r, lora_alpha=2 * r, target_modules=t)
             for seed, (n, (r, t)) in enumerate(ADAPTERS.items())}  # fmt: skip
     prompts = make_prompts([3, 5, 9, 6, 1, 4], seed=3, vocab=150)
     ids = {n: i + 1 for i, n in enumerate(ADAPTERS)}

@@ -14,21 +14,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hf_paged import LLM, LoRARequest, SamplingParams  # noqa: E402
 from hf_paged.testing import SMALL_ENGINE, make_prompts, save_checkpoint  # noqa: E402
+from hf_paged.testing.models import randomize_lora_, save_random_lora  # noqa: E402
 
 NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-
-
-def _save_adapter(base_dir, out, r, targets, seed):
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
-                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out)
-    return out
 
 
 def _hybrid_checkpoint(path):
@@ -57,10 +46,13 @@ def test_lora_slots_on_each_model_path(tmp_path, path, impl):
         base = save_checkpoint(str(tmp_path / "base"))
     else:
         base = _hybrid_checkpoint(str(tmp_path / "base"))
-    dirs = {
-        "one": _save_adapter(base, str(tmp_path / "one"), 4, ["q_proj", "v_proj", "down_proj"], 1),
-        "two": _save_adapter(base, str(tmp_path / "two"), 8, ["k_proj", "o_proj", "up_proj"], 2),
+    specs = {
+        "one": (4, ["q_proj", "v_proj", "down_proj"], 1),
+        "two": (8, ["k_proj", "o_proj", "up_proj"], 2),
     }
+    dirs = {n: save_random_lora(base, str(tmp_path / n), seed, r=r, lora_alpha=2 * r,
+                                target_modules=targets)
+            for n, (r, targets, seed) in specs.items()}  # fmt: skip
     names = ["one", None, "two", "one"]
     prompts = make_prompts([3, 5, 9, 6], seed=2, vocab=150)
     reqs = [LoRARequest(n, 1 + (n == "two"), dirs[n]) if n else None for n in names]
@@ -87,11 +79,7 @@ def test_peft_mixed_batch_on_each_path(impl):
         build_hf_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "down_proj"])
     )
     model.add_adapter("two", LoraConfig(r=2, target_modules=["v_proj"]))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    randomize_lora_(model, seed=0)
     ids, mask = left_pad(make_prompts([3, 5, 4]))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
               pad_token_id=PAD, adapter_names=["default", "two", "__base__"])  # fmt: skip

@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from hf_paged import PagedFallbackWarning  # noqa: E402
 from hf_paged.integration import dispatch  # noqa: E402
 from hf_paged.testing import PAD, SMALL_ENGINE, build_hf_model, left_pad, make_prompts  # noqa: E402
+from hf_paged.testing.models import randomize_lora_  # noqa: E402
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -28,14 +29,6 @@ ADAPTERS = {"sql": (4, 8, ATTN + MLP), "chat": (2, 4, ["q_proj", "v_proj", "down
 LENGTHS = [1, 3, 4, 5, 9]  # 5 rows: 1 and both sides of the 4-token block boundaries
 NAMES = ["sql", "__base__", "chat", "code", "sql"]
 NEW = 10
-
-
-def _randomize(model, adapter: str, seed: int, scale: float = 0.3) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if f".{adapter}." in name and "lora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
 
 
 def _model(names=("sql", "chat", "code"), family="llama"):
@@ -48,7 +41,7 @@ def _model(names=("sql", "chat", "code"), family="llama"):
             model = get_peft_model(base, cfg, adapter_name=n)
         else:
             model.add_adapter(n, cfg)
-        _randomize(model, n, seed=100 + i)
+        randomize_lora_(model, seed=100 + i, adapter=n)
     model.eval()
     dispatch.configure(model, **SMALL_ENGINE)
     return model
@@ -81,22 +74,8 @@ def release_engines():
     gc.collect()
 
 
-@pytest.fixture
-def built(monkeypatch):
-    """Engines built by the dispatcher in this test."""
-    made = []
-    real = dispatch.engine_factory
-
-    def counting(model, config):
-        made.append(real(model, config))
-        return made[-1]
-
-    monkeypatch.setattr(dispatch, "engine_factory", counting)
-    return made
-
-
 @pytest.mark.parametrize("num_beams", [1, 2])
-def test_mixed_batch_equals_stock_peft(num_beams, built):
+def test_mixed_batch_equals_stock_peft(num_beams, engines_built):
     model = _model()
     kw = _inputs(num_beams=num_beams)
     out = _both(model, adapter_names=NAMES, **kw)
@@ -104,18 +83,18 @@ def test_mixed_batch_equals_stock_peft(num_beams, built):
     with model.disable_adapter():
         base = model.generate(**kw)
     assert torch.equal(out[1], base[1]) and not torch.equal(out[0], base[0])
-    assert len(built) == 1 and built[0].lora is not None
+    assert len(engines_built) == 1 and engines_built[0].lora is not None
 
 
-def test_same_prompt_under_each_adapter_one_engine(built):
+def test_same_prompt_under_each_adapter_one_engine(engines_built):
     model = _model()
     kw = _inputs(lengths=[6])
     outs = [_both(model, adapter_names=[n], **kw) for n in ("sql", "chat", "code", "__base__")]
     assert len({tuple(o[0].tolist()) for o in outs}) == 4  # every adapter changes the output
-    assert len(built) == 1
+    assert len(engines_built) == 1
 
 
-def test_set_adapter_switch_and_several_active(built):
+def test_set_adapter_switch_and_several_active(engines_built):
     model = _model()
     kw = _inputs()
     seen = []
@@ -128,16 +107,16 @@ def test_set_adapter_switch_and_several_active(built):
     with model.disable_adapter():  # disable wins, adapter_names included
         plain = _both(model, **kw)
         assert torch.equal(_paged(model, adapter_names=NAMES, **kw), plain)
-    assert len(built) == 1
+    assert len(engines_built) == 1
 
 
-def test_adapter_added_after_build_then_used_by_name(built):
+def test_adapter_added_after_build_then_used_by_name(engines_built):
     model = _model(names=("sql",))
     kw = _inputs()
     _both(model, adapter_names=["sql"] * len(LENGTHS), **kw)
     r, alpha, targets = ADAPTERS["chat"]
     model.add_adapter("late", LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
-    _randomize(model, "late", seed=9)
+    randomize_lora_(model, seed=9, adapter="late")
     out = _both(model, adapter_names=["late", "sql", "__base__", "late", "sql"], **kw)
     with torch.no_grad():  # an in-place update of the late adapter: a new key, not stale KV
         model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["late"].weight.mul_(-4)
@@ -146,7 +125,7 @@ def test_adapter_added_after_build_then_used_by_name(built):
     model.delete_adapter("late")
     with pytest.raises(ValueError, match="non-existing adapter"):
         model.generate(**kw, adapter_names=["late"] * len(LENGTHS), backend="paged")
-    assert len(built) == 1
+    assert len(engines_built) == 1
 
 
 def test_what_stock_refuses_is_refused_alike():
@@ -166,7 +145,7 @@ def test_what_stock_refuses_is_refused_alike():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_beams", [1, 2])
-def test_mixed_batch_on_cuda_equals_stock_peft(num_beams, built):
+def test_mixed_batch_on_cuda_equals_stock_peft(num_beams, engines_built):
     """The same mixed batch on CUDA (fp32): the Triton shrink/expand serves the mixed steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -174,10 +153,10 @@ def test_mixed_batch_on_cuda_equals_stock_peft(num_beams, built):
     kw = _inputs(num_beams=num_beams)
     kw = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()}
     _both(model, adapter_names=NAMES, **kw)
-    assert built[0].lora is not None and built[0].runtime.device.startswith("cuda")
+    assert engines_built[0].lora is not None and engines_built[0].runtime.device.startswith("cuda")
 
 
-def test_adapters_trained_in_place_by_a_fused_optimizer(built):
+def test_adapters_trained_in_place_by_a_fused_optimizer(engines_built):
     """A fused optimizer writes the factors without a version bump: the engine owner's weight
     watch sees it, the adapters get new digests (new keys, fresh slots), nothing is rebuilt;
     an adapter added later is followed too."""
@@ -187,7 +166,7 @@ def test_adapters_trained_in_place_by_a_fused_optimizer(built):
     first = _both(model, adapter_names=names, **kw)
     r, alpha, targets = ADAPTERS["code"]
     model.add_adapter("code", LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
-    _randomize(model, "code", seed=5)
+    randomize_lora_(model, seed=5, adapter="code")
     late = ["code", "sql", "__base__", "code", "chat"]
     _both(model, adapter_names=late, **kw)
     for step_on in (["sql"], ["code"]):
@@ -198,4 +177,4 @@ def test_adapters_trained_in_place_by_a_fused_optimizer(built):
             p.grad = torch.randn_like(p)
         opt.step()
         again = _both(model, adapter_names=late, **kw)
-    assert not torch.equal(again, first) and len(built) == 1
+    assert not torch.equal(again, first) and len(engines_built) == 1

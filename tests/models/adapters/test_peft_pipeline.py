@@ -7,13 +7,13 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from hf_paged import PagedFallbackWarning  # noqa: E402
 from hf_paged.testing import SMALL_ENGINE, build_hf_model, tiny_tokenizer  # noqa: E402
+from hf_paged.testing.models import randomize_lora_  # noqa: E402
 
 
 def test_pipeline_passes_adapter_names():
@@ -28,12 +28,7 @@ def test_pipeline_passes_adapter_names():
         adapter_name="one",
     )
     model.add_adapter("two", LoraConfig(r=2, target_modules=["v_proj", "up_proj"]))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.eval()
+    randomize_lora_(model, seed=0).eval()
     tok = tiny_tokenizer()
     greedy = dict(max_new_tokens=10, do_sample=False)
     stock = transformers.pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
