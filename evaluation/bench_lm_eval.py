@@ -143,6 +143,7 @@ def bench_generate(lm, args, dispatch) -> dict:
     engine.block_manager.reset_prefix_cache()
     with TritonCompileLog() as c_ours:
         ours, t_ours = timed(lm.generate_until, inst)
+    engine = dispatch.get_engine(lm.model)  # the one that served it (a call may rebuild it)
     until = ("\n\n", lm.tok_decode(lm.eot_token_id, skip_special_tokens=False))
     stops = StopStrings.build(lm.tokenizer, until)
     params = engine_params(args.max_gen_toks, until)
