@@ -57,11 +57,12 @@ def multimodal_request_fields(model, processor, engine, text: str, images: list)
     from hf_paged.integration.multimodal.image_blocks import row_ranges
 
     inputs = processor(text=[text], images=[images], return_tensors="pt")
-    ids, mask = inputs["input_ids"], inputs["attention_mask"]  # [1, L]
+    # the processor's tensors (on the CPU) go where the model is, as a caller of generate moves them
+    param = next(model.parameters())
+    ids, mask = inputs["input_ids"].to(param.device), inputs["attention_mask"].to(param.device)
     keys = multimodal_keys(model)
-    mm = {k: v for k, v in inputs.items() if k in keys}
-    dtype = next(model.parameters()).dtype
-    mm = {k: v.to(dtype) if v.is_floating_point() else v for k, v in mm.items()}
+    mm = {k: v.to(param.device) for k, v in inputs.items() if k in keys}  # [1, L] ids above
+    mm = {k: v.to(param.dtype) if v.is_floating_point() else v for k, v in mm.items()}
     embeds = prompt_embeds(model, ids, mask, mm, engine.runtime.encoder_cache)[0]
     ranges = row_ranges(model, mask, mm)
     return {

@@ -56,6 +56,21 @@ def test_loaded_model_with_its_processor(gemma3):
     assert want[0] != want[1]
 
 
+@pytest.mark.gpu
+def test_a_model_on_cuda_takes_the_processors_cpu_tensors(gemma3):
+    """The processor's tensors come back on the CPU; the engine moves them where the model is
+    (a model on CUDA raised a device mismatch in the vision tower)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import copy
+
+    model, processor, want = gemma3
+    cuda = copy.deepcopy(model).to("cuda")
+    with LLM(cuda, processor=processor, **dict(ENGINE, kv_block_size=8)) as llm:
+        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
 def test_checkpoint_directory(gemma3, tmp_path):
     _, _, want = gemma3
     with LLM(save_gemma3(tmp_path), **ENGINE) as llm:

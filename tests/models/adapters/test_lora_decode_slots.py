@@ -93,10 +93,10 @@ def test_graph_decode_with_slots_equals_eager_and_peft(setup):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     base, dirs, prompts, reqs = setup
-    graphs, state = _generate(base, prompts, reqs, dtype="float32", device="cuda")
+    cuda = dict(dtype="float32", device="cuda", kv_block_size=8)  # the Triton kernels' blocks
+    graphs, state = _generate(base, prompts, reqs, **cuda)
     assert state["per_token"] and state["captured"], state["reason"]
-    eager, state = _generate(base, prompts, reqs, dtype="float32", device="cuda",
-                             enforce_eager=True)  # fmt: skip
+    eager, state = _generate(base, prompts, reqs, **cuda, enforce_eager=True)
     assert not state["captured"] and state["reason"] == "enforce_eager=True"
     assert graphs == eager
     want = [_peft(base, dirs[n] if n else None, p, "cuda") for n, p in zip(NAMES, prompts)]
