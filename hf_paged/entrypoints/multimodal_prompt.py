@@ -61,8 +61,8 @@ def multimodal_request_fields(model, processor, engine, text: str, images: list)
     param = next(model.parameters())
     ids, mask = inputs["input_ids"].to(param.device), inputs["attention_mask"].to(param.device)
     keys = multimodal_keys(model)
-    mm = {k: v.to(param.device) for k, v in inputs.items() if k in keys}  # [1, L] ids above
-    mm = {k: v.to(param.dtype) if v.is_floating_point() else v for k, v in mm.items()}
+    mm = {k: v.to(param.device, param.dtype if v.is_floating_point() else v.dtype)
+          for k, v in inputs.items() if k in keys}  # fmt: skip
     embeds = prompt_embeds(model, ids, mask, mm, engine.runtime.encoder_cache)[0]
     ranges = row_ranges(model, mask, mm)
     return {
